@@ -1,0 +1,1 @@
+"""Triton kernels for paged and cascade attention (installed as ``prefix_cache.kernels``)."""

@@ -1,0 +1,1 @@
+"""Attention backends over cascade plans."""

@@ -1,0 +1,1 @@
+"""Replay of multi-turn chat workloads through the cache."""
