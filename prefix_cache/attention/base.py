@@ -1,4 +1,8 @@
-"""The attention backend interface: plan once per batch on the host, run once per layer."""
+"""The attention backend interface: plan once per batch on the host, run once per layer.
+
+Also the checks and the query permutation that every backend shares, so that they agree on what a
+valid call is.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,9 @@ from abc import ABC, abstractmethod
 import torch
 
 from prefix_cache.cascade import CascadePlan
+
+#: Query/KV dtypes the interface accepts (a backend may accept fewer and says so when run).
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 class AttentionBackend(ABC):
@@ -41,3 +48,65 @@ class AttentionBackend(ABC):
         kv_cache: [num_pages, 2, page_size, num_kv_heads, head_dim] (K at index 0, V at 1; NHD), same dtype.
         Returns [num_query_tokens, num_qo_heads, head_dim] in q's dtype and order.
         """
+
+
+def check_plan_args(num_qo_heads: int, num_kv_heads: int, head_dim: int, sm_scale: float | None) -> float:
+    """Validate ``plan``'s keyword arguments; returns the softmax scale to use."""
+    if num_kv_heads < 1 or num_qo_heads < 1 or head_dim < 1:
+        raise ValueError(
+            "num_qo_heads, num_kv_heads and head_dim must be >= 1, "
+            f"got {num_qo_heads}, {num_kv_heads}, {head_dim}"
+        )
+    if num_qo_heads % num_kv_heads:
+        raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    return head_dim**-0.5 if sm_scale is None else float(sm_scale)
+
+
+def check_run_args(
+    plan: CascadePlan | None,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    *,
+    num_qo_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> CascadePlan:
+    """Validate ``run``'s tensors against the plan and the planned shapes; returns the plan."""
+    if plan is None:
+        raise RuntimeError("run() called before plan()")
+    expected_q = (plan.num_query_tokens, num_qo_heads, head_dim)
+    if tuple(q.shape) != expected_q:
+        raise ValueError(f"q has shape {tuple(q.shape)}, the plan needs {expected_q}")
+    if (
+        kv_cache.dim() != 5
+        or kv_cache.shape[1] != 2
+        or tuple(kv_cache.shape[2:])
+        != (
+            plan.page_size,
+            num_kv_heads,
+            head_dim,
+        )
+    ):
+        raise ValueError(
+            f"kv_cache has shape {tuple(kv_cache.shape)}, the plan needs "
+            f"[num_pages, 2, {plan.page_size}, {num_kv_heads}, {head_dim}]"
+        )
+    if q.dtype not in SUPPORTED_DTYPES or kv_cache.dtype != q.dtype:
+        raise ValueError(
+            f"q and kv_cache must share one of {SUPPORTED_DTYPES}, got {q.dtype}, {kv_cache.dtype}"
+        )
+    if q.device != kv_cache.device:
+        raise ValueError(f"q is on {q.device}, kv_cache on {kv_cache.device}")
+    return plan
+
+
+def to_planned_order(x: torch.Tensor, query_order: torch.Tensor) -> torch.Tensor:
+    """Rows of ``x`` (engine order) in planned order. query_order: int64 [num_query_tokens], on x's device."""
+    return x.index_select(0, query_order)
+
+
+def to_engine_order(x: torch.Tensor, query_order: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``to_planned_order``: rows of ``x`` (planned order) back in the engine's order."""
+    out = torch.empty_like(x)
+    out.index_copy_(0, query_order, x)
+    return out

@@ -1,0 +1,163 @@
+"""Merging partial attention states (out_i, lse_i) of disjoint KV segments into one.
+
+For segments i of one query's KV with natural-log sum-exp ``lse_i`` and normalised output ``out_i``:
+``lse = log(sum_i exp(lse_i))`` and ``out = sum_i exp(lse_i - lse) * out_i``. A segment with
+``lse_i = -inf`` (no KV) contributes nothing, whatever its ``out_i`` holds; a query whose segments
+are all empty gets ``out = 0`` and ``lse = -inf``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from prefix_cache.kernels._common import check_runnable, next_pow2
+
+
+@triton.jit
+def _merge_states_kernel(
+    o_ptr,  # [R, H, D] partial outputs
+    lse_ptr,  # [R, H] partial natural-log LSE
+    starts_ptr,  # [T] int: first partial row of token t (VARLEN)
+    counts_ptr,  # [T] int: partial rows of token t (VARLEN)
+    out_rows_ptr,  # [T] int64: output row of token t (SCATTER)
+    out_ptr,  # [*, H, D]
+    out_lse_ptr,  # [*, H] float32 (WRITE_LSE)
+    num_heads,
+    fixed_count,  # partial rows per token when not VARLEN
+    row_step,  # distance in rows between a token's consecutive partial rows
+    stride_o_row,
+    stride_o_head,
+    stride_lse_row,
+    stride_out_row,
+    stride_out_head,
+    stride_out_lse_row,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    VARLEN: tl.constexpr,
+    SCATTER: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+):
+    t = tl.program_id(0)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    h_ok = offs_h < num_heads
+    hd_ok = h_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+
+    if VARLEN:
+        start = tl.load(starts_ptr + t).to(tl.int64)
+        count = tl.load(counts_ptr + t)
+    else:
+        start = t.to(tl.int64)
+        count = fixed_count
+
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    denom = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for i in range(count):
+        row = start + i * row_step
+        s = tl.load(lse_ptr + row * stride_lse_row + offs_h, mask=h_ok, other=float("-inf")).to(tl.float32)
+        o = tl.load(
+            o_ptr + row * stride_o_row + offs_h[:, None] * stride_o_head + offs_d[None, :],
+            mask=hd_ok,
+            other=0.0,
+        ).to(tl.float32)
+        m_new = tl.maximum(m, s)
+        # A head with only empty segments so far keeps m = -inf; shifting by 0 avoids (-inf) - (-inf).
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        w = tl.exp(s - m_safe)
+        # An empty segment's output is never read into the sum, so garbage there cannot become NaN.
+        acc = acc * alpha[:, None] + tl.where(w[:, None] > 0.0, o * w[:, None], 0.0)
+        denom = denom * alpha + w
+        m = m_new
+
+    empty = denom == 0.0
+    out = acc / tl.where(empty, 1.0, denom)[:, None]
+    out_row = tl.load(out_rows_ptr + t).to(tl.int64) if SCATTER else t.to(tl.int64)
+    tl.store(
+        out_ptr + out_row * stride_out_row + offs_h[:, None] * stride_out_head + offs_d[None, :],
+        out,
+        mask=hd_ok,
+    )
+    if WRITE_LSE:
+        lse = tl.where(empty, float("-inf"), m + tl.log(tl.where(empty, 1.0, denom)))
+        tl.store(out_lse_ptr + out_row * stride_out_lse_row + offs_h, lse, mask=h_ok)
+
+
+def _block_h(num_heads: int, block_d: int) -> int:
+    # About 4K fp32 accumulator elements per program: all heads of a token for head_dim <= 128.
+    return min(next_pow2(num_heads), max(1, 4096 // block_d))
+
+
+def merge_states(o: torch.Tensor, lse: torch.Tensor, *, out_dtype: torch.dtype | None = None):
+    """Merge N partial states per query into one.
+
+    o: [N, T, H, D] partial outputs (any float dtype), lse: [N, T, H] natural-log LSE (-inf: empty).
+    Returns (out [T, H, D] in ``out_dtype`` (default o's dtype), lse [T, H] float32).
+    """
+    if o.dim() != 4 or lse.shape != o.shape[:3]:
+        raise ValueError(
+            f"expected o [N, T, H, D] and lse [N, T, H], got {tuple(o.shape)} and {tuple(lse.shape)}"
+        )
+    check_runnable(o, lse)
+    n, t, h, d = o.shape
+    o = o if o.stride(-1) == 1 else o.contiguous()
+    lse = lse if lse.stride(-1) == 1 else lse.contiguous()
+    out = torch.empty((t, h, d), dtype=out_dtype or o.dtype, device=o.device)
+    out_lse = torch.empty((t, h), dtype=torch.float32, device=o.device)
+    if t == 0 or h == 0:
+        return out, out_lse
+    # Partial row (i, t) of the [N*T] flattening is t + i*T; strides across N must be uniform.
+    if n > 1 and (o.stride(0) != t * o.stride(1) or lse.stride(0) != t * lse.stride(1)):
+        o, lse = o.contiguous(), lse.contiguous()
+    block_d = max(16, next_pow2(d))
+    block_h = _block_h(h, block_d)
+    _merge_states_kernel[(t, triton.cdiv(h, block_h))](
+        o, lse, o, o, o, out, out_lse,
+        h, n, t,
+        o.stride(1), o.stride(2), lse.stride(1),
+        out.stride(0), out.stride(1), out_lse.stride(0),
+        HEAD_DIM=d, BLOCK_H=block_h, BLOCK_D=block_d, VARLEN=False, SCATTER=False, WRITE_LSE=True,
+    )  # fmt: skip
+    return out, out_lse
+
+
+def merge_states_varlen(
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    starts: torch.Tensor,
+    counts: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    out_rows: torch.Tensor | None = None,
+    out_lse: torch.Tensor | None = None,
+) -> None:
+    """Merge a variable number of partial states per query, writing into ``out`` in place.
+
+    o: [R, H, D] partial outputs, lse: [R, H] natural-log LSE; query t owns the rows
+    ``starts[t] : starts[t] + counts[t]`` (int32/int64 [T], on o's device; a count of 0 gives out 0).
+    out: [*, H, D], any float dtype; query t is written to row ``out_rows[t]`` (int64 [T]; default t),
+    which lets the merge undo a permutation of the queries. out_lse: optional [*, H] float32, same rows.
+    """
+    t = starts.shape[0]
+    h, d = o.shape[1], o.shape[2]
+    if lse.shape != o.shape[:2] or counts.shape != starts.shape or out.shape[1:] != o.shape[1:]:
+        raise ValueError("merge_states_varlen: inconsistent shapes")
+    if o.stride(-1) != 1 or out.stride(-1) != 1 or lse.stride(-1) != 1:
+        raise ValueError("merge_states_varlen: the last dimension of o, lse and out must be contiguous")
+    check_runnable(o, lse, starts, counts, out)
+    if t == 0 or h == 0:
+        return
+    block_d = max(16, next_pow2(d))
+    block_h = _block_h(h, block_d)
+    lse_out = out_lse if out_lse is not None else lse
+    _merge_states_kernel[(t, triton.cdiv(h, block_h))](
+        o, lse, starts, counts, out_rows if out_rows is not None else starts, out, lse_out,
+        h, 0, 1,
+        o.stride(0), o.stride(1), lse.stride(0),
+        out.stride(0), out.stride(1), lse_out.stride(0),
+        HEAD_DIM=d, BLOCK_H=block_h, BLOCK_D=block_d, VARLEN=True,
+        SCATTER=out_rows is not None, WRITE_LSE=out_lse is not None,
+    )  # fmt: skip

@@ -1,0 +1,226 @@
+"""A backend on FlashInfer's paged prefill kernels and its multi-level cascade wrapper (CUDA only).
+
+FlashInfer plans on the host per level (``plan``) and runs per layer (``run``); its plan needs the
+query dtype, which the interface only gives at ``run``, so FlashInfer's plan is made at the first run
+of a step and again whenever the dtype changes.
+
+Groups that have queries but no KV at a level (a request outside every shared node of that level) are
+taken out of the level before FlashInfer sees it, and the level runs on the remaining query rows only:
+whether FlashInfer's kernels (fa2 or fa3, chosen per device) return a finite output and an lse of -inf
+for an empty KV segment is not something this backend relies on. With no such gap anywhere,
+``MultiLevelCascadeAttentionWrapper`` runs the plan as it is.
+
+FlashInfer's lse is base 2; it never leaves this module (FlashInfer's own merge consumes it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from prefix_cache.attention.base import (
+    AttentionBackend,
+    check_plan_args,
+    check_run_args,
+    to_engine_order,
+    to_planned_order,
+)
+from prefix_cache.cascade import CascadeLevel, CascadePlan
+
+_FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class CompactLevel:
+    """A level without the groups that have no queries or no KV. Index arrays int32, host memory.
+
+    rows: int64 planned query rows the remaining groups cover, in order, or None when they cover
+        every query of the plan (nothing was taken out but groups without queries).
+    """
+
+    qo_indptr: np.ndarray
+    kv_indptr: np.ndarray
+    kv_indices: np.ndarray
+    kv_last_page_len: np.ndarray
+    causal: bool
+    rows: np.ndarray | None
+
+    @property
+    def num_groups(self) -> int:
+        return int(self.kv_last_page_len.shape[0])
+
+
+def compact_level(level: CascadeLevel) -> CompactLevel:
+    """Drop the groups of ``level`` that have no queries or no KV pages; see ``CompactLevel``."""
+    qo_lens = np.diff(level.qo_indptr.astype(np.int64))
+    num_pages = np.diff(level.kv_indptr.astype(np.int64))
+    keep = (qo_lens > 0) & (num_pages > 0)
+    kept_rows = np.repeat(keep, qo_lens)
+    rows = None if kept_rows.all() else np.flatnonzero(kept_rows).astype(np.int64)
+    return CompactLevel(
+        qo_indptr=_indptr(qo_lens[keep]),
+        kv_indptr=_indptr(num_pages[keep]),
+        kv_indices=level.kv_indices[np.repeat(keep, num_pages)].astype(np.int32),
+        kv_last_page_len=level.kv_last_page_len[keep].astype(np.int32),
+        causal=level.causal,
+        rows=rows,
+    )
+
+
+def _indptr(counts: np.ndarray) -> np.ndarray:
+    indptr = np.zeros(counts.shape[0] + 1, dtype=np.int32)
+    np.cumsum(counts, out=indptr[1:])
+    return indptr
+
+
+class FlashInferBackend(AttentionBackend):
+    """Cascade attention with FlashInfer on one CUDA device; fp16 and bf16 only.
+
+    device: the CUDA device of q and kv_cache.
+    workspace_bytes: FlashInfer's float workspace (split-KV partial results), shared by all levels,
+        which run one after another on the current stream.
+    """
+
+    name = "flashinfer"
+
+    def __init__(self, device: str | torch.device = "cuda", workspace_bytes: int = 128 * 1024 * 1024) -> None:
+        try:
+            import flashinfer
+        except ModuleNotFoundError as error:
+            raise ImportError(
+                "the 'flashinfer' attention backend needs the 'flashinfer' package "
+                "(a flashinfer-python wheel that matches your torch and CUDA)"
+            ) from error
+        if not torch.cuda.is_available():
+            raise RuntimeError("the 'flashinfer' attention backend needs a CUDA device")
+        self._flashinfer = flashinfer
+        self._device = torch.device(device)
+        if self._device.index is None:
+            self._device = torch.device(self._device.type, torch.cuda.current_device())
+        self._workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=self._device)
+        # FlashInfer wrappers own pinned and device buffers: made once, re-planned every step.
+        self._prefill_wrappers: list = []
+        self._cascade_wrappers: dict[int, object] = {}
+        self._plan: CascadePlan | None = None
+        self._levels: list[CompactLevel] = []
+        self._rows: list[torch.Tensor | None] = []
+        self._query_order = torch.zeros(0, dtype=torch.int64)
+        self._num_qo_heads = self._num_kv_heads = self._head_dim = 0
+        self._sm_scale = 1.0
+        self._planned_dtype: torch.dtype | None = None
+
+    def plan(
+        self,
+        plan: CascadePlan,
+        *,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        sm_scale: float | None = None,
+    ) -> None:
+        self._sm_scale = check_plan_args(num_qo_heads, num_kv_heads, head_dim, sm_scale)
+        levels = [compact_level(level) for level in plan.levels]
+        # The merge starts from the last level's state, which must hold every query row.
+        if plan.num_query_tokens and levels[-1].rows is not None:
+            raise ValueError("the last level of the plan must give every query some KV")
+        self._plan = plan
+        self._levels = [level for level in levels if level.num_groups]
+        self._rows = [
+            None if level.rows is None else torch.from_numpy(level.rows).to(self._device)
+            for level in self._levels
+        ]
+        self._query_order = torch.from_numpy(plan.query_order).to(self._device)
+        self._num_qo_heads, self._num_kv_heads, self._head_dim = num_qo_heads, num_kv_heads, head_dim
+        self._planned_dtype = None
+
+    def run(self, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+        plan = check_run_args(
+            self._plan,
+            q,
+            kv_cache,
+            num_qo_heads=self._num_qo_heads,
+            num_kv_heads=self._num_kv_heads,
+            head_dim=self._head_dim,
+        )
+        if q.dtype not in _FLASHINFER_DTYPES:
+            raise ValueError(f"the 'flashinfer' attention backend takes fp16 or bf16, got {q.dtype}")
+        if q.device != self._device:
+            raise ValueError(f"q is on {q.device}, this backend on {self._device}")
+        if plan.num_query_tokens == 0:
+            return torch.empty_like(q)
+        if self._planned_dtype != q.dtype:
+            self._plan_flashinfer(q.dtype, plan.page_size)
+        q_planned = to_planned_order(q, self._query_order)
+        if self._use_cascade_wrapper():
+            out = self._cascade_wrappers[len(self._levels)].run(q_planned, kv_cache)
+        else:
+            out = self._run_levels(q_planned, kv_cache)
+        return to_engine_order(out, self._query_order)
+
+    def _use_cascade_wrapper(self) -> bool:
+        """The cascade wrapper runs every level on every query, shared levels non-causal and the last
+        one causal: usable when there are shared levels and no level had to be cut down to fewer rows."""
+        return (
+            len(self._levels) > 1
+            and all(rows is None for rows in self._rows)
+            and [level.causal for level in self._levels] == [False] * (len(self._levels) - 1) + [True]
+        )
+
+    def _plan_flashinfer(self, dtype: torch.dtype, page_size: int) -> None:
+        heads = (self._num_qo_heads, self._num_kv_heads, self._head_dim, page_size)
+        # Host-side index arrays: FlashInfer reads the indptrs on the host to schedule, then copies.
+        arrays = [
+            [torch.from_numpy(a) for a in (lv.qo_indptr, lv.kv_indptr, lv.kv_indices, lv.kv_last_page_len)]
+            for lv in self._levels
+        ]
+        if self._use_cascade_wrapper():
+            wrapper = self._cascade_wrappers.get(len(self._levels))
+            if wrapper is None:
+                wrapper = self._flashinfer.MultiLevelCascadeAttentionWrapper(
+                    len(self._levels), self._workspace, "NHD"
+                )
+                self._cascade_wrappers[len(self._levels)] = wrapper
+            wrapper.plan(
+                *[list(column) for column in zip(*arrays, strict=True)],
+                *heads,
+                causal=True,  # applied to the last level only
+                sm_scale=self._sm_scale,
+                q_data_type=dtype,
+                kv_data_type=dtype,
+            )
+        else:
+            while len(self._prefill_wrappers) < len(self._levels):
+                self._prefill_wrappers.append(
+                    self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
+                )
+            for wrapper, level, level_arrays in zip(
+                self._prefill_wrappers[: len(arrays)], self._levels, arrays, strict=True
+            ):
+                wrapper.plan(
+                    *level_arrays,
+                    *heads,
+                    causal=level.causal,
+                    sm_scale=self._sm_scale,
+                    q_data_type=dtype,
+                    kv_data_type=dtype,
+                )
+        self._planned_dtype = dtype
+
+    def _run_levels(self, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+        """Each level on its own rows, merged into the last level's state (which holds every row)."""
+        wrappers = self._prefill_wrappers[: len(self._levels)]
+        out, lse = wrappers[-1].run(q, kv_cache, return_lse=True)
+        for wrapper, rows in zip(wrappers[:-1], self._rows[:-1], strict=True):
+            if rows is None:
+                level_out, level_lse = wrapper.run(q, kv_cache, return_lse=True)
+                self._flashinfer.merge_state_in_place(out, lse, level_out, level_lse)
+            else:
+                level_out, level_lse = wrapper.run(q.index_select(0, rows), kv_cache, return_lse=True)
+                merged_out, merged_lse = self._flashinfer.merge_state(
+                    out.index_select(0, rows), lse.index_select(0, rows), level_out, level_lse
+                )
+                out.index_copy_(0, rows, merged_out)
+                lse.index_copy_(0, rows, merged_lse)
+        return out

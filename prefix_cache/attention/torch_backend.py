@@ -1,0 +1,97 @@
+"""A plain PyTorch backend: the readable reference for what a cascade plan computes. Any device."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from prefix_cache.attention.base import (
+    AttentionBackend,
+    check_plan_args,
+    check_run_args,
+    to_engine_order,
+    to_planned_order,
+)
+from prefix_cache.attention.merge import merge_states
+from prefix_cache.cascade import CascadeLevel, CascadePlan
+
+
+class TorchBackend(AttentionBackend):
+    """Per level and group: gather the group's pages, softmax attention in float32, then merge the
+    levels by their log-sum-exp. One Python iteration per group: for tests and small batches."""
+
+    name = "torch"
+
+    def __init__(self) -> None:
+        self._plan: CascadePlan | None = None
+        self._num_qo_heads = self._num_kv_heads = self._head_dim = 0
+        self._sm_scale = 1.0
+
+    def plan(
+        self,
+        plan: CascadePlan,
+        *,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        sm_scale: float | None = None,
+    ) -> None:
+        self._sm_scale = check_plan_args(num_qo_heads, num_kv_heads, head_dim, sm_scale)
+        self._plan = plan
+        self._num_qo_heads, self._num_kv_heads, self._head_dim = num_qo_heads, num_kv_heads, head_dim
+
+    def run(self, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+        plan = check_run_args(
+            self._plan,
+            q,
+            kv_cache,
+            num_qo_heads=self._num_qo_heads,
+            num_kv_heads=self._num_kv_heads,
+            head_dim=self._head_dim,
+        )
+        query_order = torch.from_numpy(plan.query_order).to(q.device)
+        q_planned = to_planned_order(q, query_order).float()
+        states = [self._attend_level(level, q_planned, kv_cache) for level in plan.levels]
+        out, _ = merge_states([o for o, _ in states], [s for _, s in states])
+        return to_engine_order(out.to(q.dtype), query_order)
+
+    def _attend_level(
+        self, level: CascadeLevel, q: torch.Tensor, kv_cache: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out [T, Hq, D], lse [T, Hq]) of one level, float32; rows of groups without KV: 0, -inf."""
+        out = torch.zeros_like(q)
+        lse = torch.full(q.shape[:2], float("-inf"), device=q.device)
+        page_size = kv_cache.shape[2]
+        pages = torch.from_numpy(level.kv_indices.astype(np.int64)).to(q.device)
+        for g in range(level.qo_indptr.shape[0] - 1):
+            q0, q1 = int(level.qo_indptr[g]), int(level.qo_indptr[g + 1])
+            p0, p1 = int(level.kv_indptr[g]), int(level.kv_indptr[g + 1])
+            if q0 == q1 or p0 == p1:
+                continue
+            kv_len = (p1 - p0 - 1) * page_size + int(level.kv_last_page_len[g])
+            kv = kv_cache[pages[p0:p1]].float()  # [pages, 2, page_size, Hkv, D]
+            k = kv[:, 0].flatten(0, 1)[:kv_len]
+            v = kv[:, 1].flatten(0, 1)[:kv_len]
+            out[q0:q1], lse[q0:q1] = self._attend(q[q0:q1], k, v, level.causal)
+        return out, lse
+
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [Q, Hq, D], k and v [L, Hkv, D] -> (out [Q, Hq, D], lse [Q, Hq]).
+
+        GQA: query head h reads KV head h // (Hq // Hkv). Causal is bottom-right aligned: the Q
+        queries are the segment's last Q tokens, so query j sees keys 0 .. L - Q + j."""
+        num_q, num_qo_heads, head_dim = q.shape
+        num_k, num_kv_heads, _ = k.shape
+        grouped = q.view(num_q, num_kv_heads, num_qo_heads // num_kv_heads, head_dim)
+        scores = torch.einsum("qhgd,khd->hgqk", grouped, k) * self._sm_scale
+        if causal:
+            rows = torch.arange(num_q, device=q.device).unsqueeze(1)
+            cols = torch.arange(num_k, device=q.device).unsqueeze(0)
+            scores = scores.masked_fill(cols > num_k - num_q + rows, float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)
+        # A fully masked row (only if Q > L) has lse -inf: subtract 0 so its weights are 0, not NaN.
+        probs = torch.exp(scores - torch.where(torch.isneginf(lse), 0.0, lse).unsqueeze(-1))
+        out = torch.einsum("hgqk,khd->qhgd", probs, v).reshape(num_q, num_qo_heads, head_dim)
+        return out, lse.permute(2, 0, 1).reshape(num_q, num_qo_heads)

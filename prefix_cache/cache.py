@@ -1,0 +1,615 @@
+"""``PrefixCache``: the engine-facing bookkeeping of KV pages shared by common prompt prefixes."""
+
+from __future__ import annotations
+
+import operator
+from typing import NamedTuple
+
+import numpy as np
+
+from prefix_cache.block_tree import BlockTree, Node, Root
+from prefix_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from prefix_cache.hashing import HashFn, Namespace, check_namespace, default_hash_fn, namespace_seed
+from prefix_cache.page_pool import PagePool
+from prefix_cache.sequence import Sequence
+from prefix_cache.stats import CacheStats
+from prefix_cache.tokens import MAX_TOKEN_ID, as_token_array
+
+MAX_PAGE_SIZE = 1024
+# Page ids are int32 in block tables.
+MAX_NUM_PAGES = 2**31 - 1
+# Pages a new sequence reserves room for beyond its prompt, so short decodes never grow buffers.
+_DECODE_HEADROOM_PAGES = 8
+_INT32 = np.dtype(np.int32)
+_ONE = (1,)
+
+
+class PrefixCacheError(Exception):
+    """Base class of the errors this library raises for conditions other than bad arguments."""
+
+
+class OutOfPages(PrefixCacheError):
+    """``allocate`` needs more pages than are free plus evictable. Nothing was changed."""
+
+    def __init__(self, needed: int, available: int) -> None:
+        super().__init__(
+            f"need {needed} pages but only {available} are free or evictable "
+            "(the rest are held by live sequences)"
+        )
+        self.needed = needed
+        self.available = available
+
+
+class InvariantError(PrefixCacheError):
+    """``check_invariants`` found the bookkeeping inconsistent."""
+
+
+class _PendingStored(NamedTuple):
+    """A ``BlockStored`` event as recorded on the hot path: tokens still as int32 bytes."""
+
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_bytes: bytes
+    namespace: Namespace
+
+
+def _check_int(name: str, value: object, low: int, high: int | None = None) -> int:
+    """``value`` as an int in ``[low, high]``; TypeError for non-integers (bools included)."""
+    if isinstance(value, (bool, float, complex)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+    if number < low or (high is not None and number > high):
+        bound = f"[{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be {bound}, got {number}")
+    return number
+
+
+class PrefixCache:
+    """Pages of a paged KV pool, shared between requests whose prompts start with the same tokens.
+
+    A page holds ``page_size`` tokens. Full pages that a sequence commits become cached under the
+    chained hash of their tokens (see ``prefix_cache.hashing``); a later prompt that starts with
+    the same whole pages, in the same namespace, reuses them. Each page is at all times exactly one
+    of: free, held by live sequences, or cached and evictable (held by none; evicted least recently
+    used first, deepest pages first).
+
+    Per request: ``open`` (locks the cached prefix), then ``allocate`` / ``commit`` for the prompt
+    remainder and every decoded token, then ``close``. See the method docstrings for units.
+
+    Arguments:
+        num_pages: pages in the KV pool, ``1 .. 2**31 - 1``.
+        page_size: tokens per page, ``1 .. 1024``.
+        hash_fn: ``hash_fn(page_token_bytes, parent_key) -> int`` in ``[0, 2**64)``, the block key
+            (default 64-bit xxh3). Matches are always confirmed against the stored tokens, so a
+            weak or deliberately colliding function costs hits, never correctness.
+        record_events: keep ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` events for
+            ``drain_events``. Turn off when nobody drains them, or they pile up.
+
+    Threading: one ``PrefixCache`` belongs to one scheduler thread. Nothing is locked; calls from
+    several threads must be serialised by the caller.
+    """
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int = 16,
+        *,
+        hash_fn: HashFn | None = None,
+        record_events: bool = True,
+    ) -> None:
+        self._num_pages = _check_int("num_pages", num_pages, 1, MAX_NUM_PAGES)
+        self._page_size = _check_int("page_size", page_size, 1, MAX_PAGE_SIZE)
+        if hash_fn is not None and not callable(hash_fn):
+            raise TypeError(f"hash_fn must be callable, got {type(hash_fn).__name__}")
+        self._pool = PagePool(self._num_pages)
+        self._tree = BlockTree(default_hash_fn if hash_fn is None else hash_fn)
+        self._record_events = bool(record_events)
+        self._events: list[KVCacheEvent | _PendingStored] = []
+        self._live: set[Sequence] = set()
+        # (root, tree version, prompt bytes, nodes) of the last walk, see _match.
+        self._last_match: tuple[Root, int, bytes, tuple[Node, ...]] | None = None
+        self._next_seq_id = 0
+        self._query_tokens = 0
+        self._hit_tokens = 0
+        self._opened = 0
+        self._closed = 0
+        self._stored_pages = 0
+        self._duplicate_pages = 0
+        self._collision_pages = 0
+        self._evicted_pages = 0
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def page_size(self) -> int:
+        """Tokens per page."""
+        return self._page_size
+
+    @property
+    def num_pages(self) -> int:
+        """Pages in the pool."""
+        return self._num_pages
+
+    @property
+    def num_free_pages(self) -> int:
+        """Pages holding nothing."""
+        return len(self._pool.free)
+
+    @property
+    def num_evictable_pages(self) -> int:
+        """Cached pages no live sequence holds; ``evict`` can free all of them."""
+        return self._tree.num_unreferenced
+
+    @property
+    def num_cached_pages(self) -> int:
+        """Pages in the block tree (matchable), held or not."""
+        return self._tree.num_nodes
+
+    @property
+    def num_live_sequences(self) -> int:
+        return len(self._live)
+
+    @property
+    def stats(self) -> CacheStats:
+        """A snapshot of the counters and the occupancy now."""
+        return CacheStats(
+            query_tokens=self._query_tokens,
+            hit_tokens=self._hit_tokens,
+            hit_rate=self._hit_tokens / self._query_tokens if self._query_tokens else 0.0,
+            opened_sequences=self._opened,
+            closed_sequences=self._closed,
+            stored_pages=self._stored_pages,
+            duplicate_pages=self._duplicate_pages,
+            collision_pages=self._collision_pages,
+            evicted_pages=self._evicted_pages,
+            num_pages=self._num_pages,
+            free_pages=len(self._pool.free),
+            cached_pages=self._tree.num_nodes,
+            evictable_pages=self._tree.num_unreferenced,
+            live_sequences=len(self._live),
+        )
+
+    # ------------------------------------------------------------------ engine API
+
+    def match(self, tokens: object, namespace: Namespace = None) -> int:
+        """Length in tokens of the cached prefix ``open(tokens, namespace)`` would lock now: whole
+        pages, at most ``len(tokens) - 1``. Changes nothing (LRU order and statistics included)."""
+        arr = as_token_array(tokens)
+        check_namespace(namespace)
+        root = self._tree.roots.get(namespace)
+        if root is None:
+            return 0
+        return len(self._match(root, arr)) * self._page_size
+
+    def open(self, tokens: object, namespace: Namespace = None) -> Sequence:
+        """Start a sequence for the prompt ``tokens`` (1-D ints) and lock its longest cached prefix.
+
+        The sequence starts with ``num_tokens == num_allocated_tokens == num_cached_tokens`` and a
+        block table of the cached pages; the engine then allocates and commits
+        ``tokens[seq.num_cached_tokens:]``.
+        """
+        arr = as_token_array(tokens)
+        check_namespace(namespace)
+        tree = self._tree
+        root = tree.root(namespace)
+        nodes = self._match(root, arr)
+        page_size = self._page_size
+        prompt_pages = -(-len(arr) // page_size)
+        seq = Sequence(self, self._next_seq_id, namespace, root, prompt_pages + _DECODE_HEADROOM_PAGES)
+        self._next_seq_id += 1
+        root.ref += 1
+        tree.acquire(nodes)
+        seq._nodes = nodes
+        num_cached = len(nodes) * page_size
+        if nodes:
+            seq._add_pages([node.page for node in nodes], page_size)
+            seq._tokens[:num_cached] = arr[:num_cached]
+        seq._num_tokens = seq._num_allocated = seq._num_cached_tokens = num_cached
+        seq._num_full_pages = len(nodes)
+        self._live.add(seq)
+        self._opened += 1
+        self._query_tokens += len(arr)
+        self._hit_tokens += num_cached
+        return seq
+
+    def allocate(self, seq: Sequence, num_tokens: int) -> None:
+        """Reserve slots for the next ``num_tokens`` tokens of ``seq`` after those already reserved,
+        taking pages from the free pool and evicting cached pages when it is empty.
+
+        All or nothing: raises ``OutOfPages`` (and changes nothing) when even evicting every
+        evictable page would not supply enough pages.
+        """
+        try:
+            owner = seq._owner
+        except AttributeError:
+            raise TypeError(f"expected a Sequence, got {type(seq).__name__}") from None
+        if owner is not self:
+            self._reject(seq)
+        if type(num_tokens) is not int:
+            num_tokens = _check_int("num_tokens", num_tokens, 0)
+        elif num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        end = seq._num_allocated + num_tokens
+        if end <= seq._capacity:
+            # Room left in the last page: the per-token decode path.
+            seq._num_allocated = end
+            return
+        self._allocate_pages(seq, end)
+
+    def commit(self, seq: Sequence, tokens: object) -> None:
+        """Record that the KV of the next ``len(tokens)`` tokens of ``seq`` (after ``num_tokens``) is
+        written. Pages that become full are cached, or, when the same block is already cached,
+        replaced by the cached page (the sequence's own page goes back to the pool).
+
+        Raises ValueError, changing nothing, when that goes past the reserved tokens.
+        """
+        try:
+            owner = seq._owner
+        except AttributeError:
+            raise TypeError(f"expected a Sequence, got {type(seq).__name__}") from None
+        if owner is not self:
+            self._reject(seq)
+        # The per-token decode path: one token (a 1-element list of int or int32 array), room
+        # reserved. Anything else, including every error, takes the general path below.
+        n = seq._num_tokens
+        if n < seq._num_allocated:
+            kind = type(tokens)
+            token = -1
+            if kind is list:
+                if len(tokens) == 1:
+                    token = tokens[0]
+                    if type(token) is not int or token > MAX_TOKEN_ID:
+                        token = -1
+            elif kind is np.ndarray and tokens.dtype is _INT32 and tokens.shape == _ONE:
+                token = tokens.item()
+            if token >= 0:
+                seq._tokens[n] = token
+                n += 1
+                seq._num_tokens = n
+                if n % self._page_size == 0:
+                    self._store_full_pages(seq)
+                return
+        arr = as_token_array(tokens)
+        n = seq._num_tokens
+        end = n + len(arr)
+        if end > seq._num_allocated:
+            raise ValueError(
+                f"cannot commit {len(arr)} tokens: sequence {seq._id} has {seq._num_allocated - n} "
+                f"reserved and uncommitted (allocate first)"
+            )
+        seq._tokens[n:end] = arr
+        seq._num_tokens = end
+        if end // self._page_size > seq._num_full_pages:
+            self._store_full_pages(seq)
+
+    def close(self, seq: Sequence) -> None:
+        """Release ``seq``: its cached pages stay cached (evictable once no other sequence holds
+        them), its private pages (a partial last page, unused reservations) return to the pool."""
+        try:
+            owner = seq._owner
+        except AttributeError:
+            raise TypeError(f"expected a Sequence, got {type(seq).__name__}") from None
+        if owner is not self:
+            self._reject(seq)
+        tree = self._tree
+        tree.release(seq._nodes)
+        self._pool.put_many(seq._pages[len(seq._nodes) : seq._num_pages].tolist())
+        tree.release_root(seq._root)
+        seq._owner = None
+        seq._nodes = []
+        seq._num_pages = 0
+        seq._capacity = 0
+        self._live.discard(seq)
+        self._closed += 1
+
+    def evict(self, num_pages: int) -> int:
+        """Free up to ``num_pages`` cached pages no live sequence holds, least recently used
+        first (a page's descendants before it). Returns the number of pages freed."""
+        num_pages = _check_int("num_pages", num_pages, 0)
+        return self._evict(num_pages)
+
+    def reset(self) -> None:
+        """Drop every cached page no live sequence holds. Emits ``AllBlocksCleared`` when the cache
+        ends up empty, else ``BlockRemoved`` for the dropped pages."""
+        removed = self._evict_keys(self._tree.num_unreferenced)
+        if not self._tree.num_lru:
+            # Only stale entries can be left; drop them rather than skip them later.
+            self._tree.lru.clear()
+        if self._record_events:
+            if self._tree.num_nodes == 0:
+                self._events.append(AllBlocksCleared())
+            elif removed:
+                self._events.append(BlockRemoved(removed))
+
+    def drain_events(self) -> list[KVCacheEvent]:
+        """The events since the last call, oldest first."""
+        events = self._events
+        self._events = []
+        page_size = self._page_size
+        return [
+            BlockStored(
+                block_hashes=event.block_hashes,
+                parent_block_hash=event.parent_block_hash,
+                token_ids=np.frombuffer(event.token_bytes, dtype=np.int32).tolist(),
+                block_size=page_size,
+                namespace=event.namespace,
+            )
+            if type(event) is _PendingStored
+            else event
+            for event in events
+        ]
+
+    # ------------------------------------------------------------------ internals
+
+    def _reject(self, seq: object) -> None:
+        """Raise the error explaining why ``seq`` cannot be used with this cache."""
+        if not isinstance(seq, Sequence):
+            raise TypeError(f"expected a Sequence, got {type(seq).__name__}")
+        if seq._cache is not self:
+            raise ValueError(f"sequence {seq._id} belongs to another PrefixCache")
+        raise ValueError(f"sequence {seq._id} is closed")
+
+    def _match(self, root: Root, arr: np.ndarray) -> list[Node]:
+        """Nodes of the longest cached prefix of ``arr`` under ``root``, never covering the last
+        token (the engine needs its logits)."""
+        if not root.num_children or len(arr) <= self._page_size:
+            return []
+        tree = self._tree
+        num_pages = (len(arr) - 1) // self._page_size
+        data = arr[: num_pages * self._page_size].tobytes()
+        # Engines call match and then open with the same prompt: reuse the walk while the tree
+        # is unchanged (one memcmp of the prompt instead of a hash per page).
+        last = self._last_match
+        if last is not None and last[0] is root and last[1] == tree.version and last[2] == data:
+            return list(last[3])
+        nodes = tree.match(root, data, num_pages, 4 * self._page_size)
+        self._last_match = (root, tree.version, data, tuple(nodes))
+        return nodes
+
+    def _allocate_pages(self, seq: Sequence, end: int) -> None:
+        """Slow path of ``allocate``: new pages so ``seq`` can hold ``end`` tokens."""
+        page_size = self._page_size
+        needed = -(-end // page_size) - seq._num_pages
+        free = len(self._pool.free)
+        if needed > free:
+            available = free + self._tree.num_unreferenced
+            if needed > available:
+                raise OutOfPages(needed, available)
+            self._evict(needed - free)
+        seq._add_pages(self._pool.take(needed), page_size)
+        seq._num_allocated = end
+
+    def _store_full_pages(self, seq: Sequence) -> None:
+        """Offer the pages of ``seq`` that became full to the tree: switch each to the cached page
+        of the same block while there is one, then cache the rest as new nodes; after a hash
+        collision the page and all later ones stay private."""
+        page_size = self._page_size
+        first = seq._num_full_pages
+        full = seq._num_tokens // page_size
+        seq._num_full_pages = full
+        if seq._broken:
+            return
+        tree = self._tree
+        hash_fn = tree.hash_fn
+        nodes = seq._nodes
+        pages = seq._pages
+        parent: Node = nodes[-1] if nodes else seq._root
+        page_bytes = 4 * page_size
+        data = seq._tokens[first * page_size : full * page_size].tobytes()
+        start = 0
+        get = tree.index.get
+        for index in range(first, full):
+            chunk = data[start : start + page_bytes]
+            key = hash_fn(chunk, parent.key)
+            node = get(key)
+            if node is None:
+                stored = tree.extend(parent, key, data[start:], page_bytes, pages[index:full].tolist())
+                nodes.extend(stored)
+                self._stored_pages += len(stored)
+                if index + len(stored) < full:
+                    self._break_chain(seq)
+                if self._record_events:
+                    # Turned into a BlockStored by drain_events, off the per-step path.
+                    self._events.append(
+                        _PendingStored(
+                            [node.key for node in stored],
+                            None if isinstance(parent, Root) else parent.key,
+                            data[start : start + len(stored) * page_bytes],
+                            seq._namespace,
+                        )
+                    )
+                return
+            if node.parent is not parent or node.tokens != chunk:
+                self._break_chain(seq)
+                return
+            # Computed concurrently by another sequence: keep one copy, the cached one.
+            tree.acquire([node])
+            self._pool.put(int(pages[index]))
+            pages[index] = node.page
+            self._duplicate_pages += 1
+            nodes.append(node)
+            parent = node
+            start += page_bytes
+
+    def _break_chain(self, seq: Sequence) -> None:
+        """A different block holds the key of the next full page of ``seq``: that page and all
+        after it stay private (a page can only be cached under a cached parent)."""
+        seq._broken = True
+        self._collision_pages += 1
+
+    def _evict(self, num_pages: int) -> int:
+        """Evict up to ``num_pages`` pages in LRU order, with one ``BlockRemoved`` event; returns
+        the number evicted."""
+        removed = self._evict_keys(num_pages)
+        if removed and self._record_events:
+            self._events.append(BlockRemoved(removed))
+        return len(removed)
+
+    def _evict_keys(self, num_pages: int) -> list[int]:
+        """Evict up to ``num_pages`` pages in LRU order (no event); returns the evicted keys."""
+        removed: list[int] = []
+        pop_lru = self._tree.pop_lru
+        put = self._pool.put
+        for _ in range(num_pages):
+            node = pop_lru()
+            if node is None:
+                break
+            put(node.page)
+            removed.append(node.key)
+        self._evicted_pages += len(removed)
+        return removed
+
+    # ------------------------------------------------------------------ checking
+
+    def check_invariants(self) -> None:
+        """Verify the whole bookkeeping; raise ``InvariantError`` naming the first inconsistency.
+
+        Checks that every page is exactly one of free, private to one live sequence, or in the
+        tree; that each node's key, parent link and reference count are right (refs equal the
+        live sequences through it); that the LRU candidates are exactly the unreferenced leaves;
+        and that each live sequence's counters, tokens and block table agree. O(pool + tokens).
+        """
+        _Checker(self).run()
+
+
+class _Checker:
+    """The work of ``PrefixCache.check_invariants``, kept out of the hot class."""
+
+    def __init__(self, cache: PrefixCache) -> None:
+        self.cache = cache
+        self.tree = cache._tree
+        # page id -> what owns it, to catch a page booked twice.
+        self.owner: dict[int, str] = {}
+
+    def fail(self, message: str) -> None:
+        raise InvariantError(message)
+
+    def book(self, page: int, what: str) -> None:
+        if not 0 <= page < self.cache._num_pages:
+            self.fail(f"{what}: page id {page} outside [0, {self.cache._num_pages})")
+        if page in self.owner:
+            self.fail(f"page {page} is both {self.owner[page]} and {what}")
+        self.owner[page] = what
+
+    def run(self) -> None:
+        cache, tree = self.cache, self.tree
+        for page in cache._pool.free:
+            self.book(page, "free")
+        nodes = self.check_tree()
+        expected_ref = self.check_sequences()
+        for node in nodes:
+            holders = expected_ref.get(id(node), 0)
+            if node.ref != holders:
+                self.fail(f"page {node.page}: ref {node.ref}, but {holders} live sequences hold it")
+        for root in tree.roots.values():
+            holders = sum(1 for seq in cache._live if seq._root is root)
+            if root.ref != holders:
+                self.fail(f"root of {root.namespace!r}: ref {root.ref}, but {holders} live sequences")
+        if len(self.owner) != cache._num_pages:
+            self.fail(f"{cache._num_pages - len(self.owner)} pages are neither free, held nor cached")
+        self.check_lru(nodes)
+
+    def check_tree(self) -> list[Node]:
+        tree = self.tree
+        for namespace, root in tree.roots.items():
+            if not isinstance(root, Root) or root.namespace != namespace or root.parent is not None:
+                self.fail(f"bad root for namespace {namespace!r}")
+            if root.key != namespace_seed(namespace):
+                self.fail(f"root of {namespace!r} has the wrong seed")
+            if root.ref == 0 and not root.num_children:
+                self.fail(f"empty unused root of {namespace!r} was not dropped")
+        roots = {id(root) for root in tree.roots.values()}
+        children: dict[int, int] = {}
+        nodes = list(tree.index.values())
+        for key, node in tree.index.items():
+            parent = node.parent
+            if node.key != key or isinstance(node, Root) or parent is None:
+                self.fail(f"page {node.page}: indexed under the wrong key")
+            if id(parent) not in roots and tree.index.get(parent.key) is not parent:
+                self.fail(f"page {node.page}: its parent is not in the tree")
+            if len(node.tokens) != 4 * self.cache._page_size:
+                self.fail(f"page {node.page}: stores {len(node.tokens)} bytes of tokens")
+            if tree.hash_fn(node.tokens, parent.key) != key:
+                self.fail(f"page {node.page}: key is not the hash of its tokens")
+            if node.ref < 0 or (node.ref > parent.ref and not isinstance(parent, Root)):
+                self.fail(f"page {node.page}: ref {node.ref} exceeds its parent's {parent.ref}")
+            children[id(parent)] = children.get(id(parent), 0) + 1
+            self.book(node.page, "cached")
+        for node in [*tree.roots.values(), *nodes]:
+            if node.num_children != children.get(id(node), 0):
+                self.fail(
+                    f"page {node.page}: {node.num_children} children counted, "
+                    f"{children.get(id(node), 0)} in the tree"
+                )
+        if len(nodes) != tree.num_nodes:
+            self.fail(f"tree holds {len(nodes)} nodes, counter says {tree.num_nodes}")
+        unreferenced = sum(1 for node in nodes if node.ref == 0)
+        if unreferenced != tree.num_unreferenced:
+            self.fail(f"{unreferenced} unreferenced nodes, counter says {tree.num_unreferenced}")
+        return nodes
+
+    def check_sequences(self) -> dict[int, int]:
+        """Check each live sequence; return the expected ref count per node id."""
+        cache = self.cache
+        page_size = cache._page_size
+        expected_ref: dict[int, int] = {}
+        for seq in cache._live:
+            name = f"sequence {seq._id}"
+            if seq._owner is not cache or seq._cache is not cache:
+                self.fail(f"{name} is live but not owned by this cache")
+            if cache._tree.roots.get(seq._namespace) is not seq._root:
+                self.fail(f"{name}: its root is not its namespace's root")
+            if not 0 <= seq._num_tokens <= seq._num_allocated <= seq._capacity:
+                self.fail(
+                    f"{name}: tokens {seq._num_tokens}, allocated {seq._num_allocated}, "
+                    f"capacity {seq._capacity} out of order"
+                )
+            pages_needed = -(-seq._num_allocated // page_size)
+            if seq._num_pages != pages_needed or seq._capacity != seq._num_pages * page_size:
+                self.fail(f"{name}: {seq._num_pages} pages for {seq._num_allocated} allocated tokens")
+            if len(seq._tokens) < seq._capacity or len(seq._pages) < seq._num_pages:
+                self.fail(f"{name}: buffers smaller than its pages")
+            full = seq._num_tokens // page_size
+            if seq._num_full_pages != full:
+                self.fail(f"{name}: {full} full pages, {seq._num_full_pages} offered to the tree")
+            if len(seq._nodes) > full or (not seq._broken and len(seq._nodes) != full):
+                self.fail(f"{name}: holds {len(seq._nodes)} cached pages of {full} full ones")
+            parent: Node = seq._root
+            for index, node in enumerate(seq._nodes):
+                if node.parent is not parent or self.tree.index.get(node.key) is not node:
+                    self.fail(f"{name}: page {index} is not in the tree under the page before it")
+                if int(seq._pages[index]) != node.page:
+                    self.fail(f"{name}: block table entry {index} is not its cached page {node.page}")
+                tokens = seq._tokens[index * page_size : (index + 1) * page_size].tobytes()
+                if tokens != node.tokens:
+                    self.fail(f"{name}: page {index} tokens differ from the cached page's")
+                expected_ref[id(node)] = expected_ref.get(id(node), 0) + 1
+                parent = node
+            for index in range(len(seq._nodes), seq._num_pages):
+                self.book(int(seq._pages[index]), f"private to {name}")
+        return expected_ref
+
+    def check_lru(self, nodes: list[Node]) -> None:
+        tree = self.tree
+        live = {}
+        for tick, serial, node in tree.lru:
+            if node.lru_serial == serial:
+                if id(node) in live:
+                    self.fail(f"page {node.page} has two live LRU entries")
+                if tick != node.tick:
+                    self.fail(f"page {node.page}: LRU entry tick {tick}, node tick {node.tick}")
+                live[id(node)] = node
+        candidates = {id(node) for node in nodes if node.ref == 0 and not node.num_children}
+        if set(live) != candidates:
+            self.fail(f"LRU holds {len(live)} pages, {len(candidates)} unreferenced leaves exist")
+        if len(live) != tree.num_lru:
+            self.fail(f"LRU counter {tree.num_lru}, {len(live)} live entries")
+        if any(node.lru_serial >= 0 and id(node) not in live for node in nodes):
+            self.fail("a node claims an LRU entry that is not in the heap")
+        heap = tree.lru
+        for index in range(1, len(heap)):
+            if heap[(index - 1) // 2][:2] > heap[index][:2]:
+                self.fail("LRU heap order is broken")

@@ -1,0 +1,298 @@
+"""The cascade planner: finds the page prefixes a batch's requests share and lays them out as levels.
+
+Requests are sorted by their page tables, so that requests sharing a prefix are neighbours; the longest
+common prefixes of neighbours give the sharing tree (every branching point of the trie over page ids)
+in O(total pages · log batch). A cost model walks the tree top-down and keeps the nodes worth a shared
+call; each kept node becomes a group at the level of its depth among kept nodes, and whatever a
+request has left after its deepest kept node goes to the last, causal level.
+
+Pass page tables as numpy arrays: 256 requests × 2000 pages plan in about 2 ms, most of it spent
+slicing per request; lists of Python ints cost a conversion of every page id.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from prefix_cache.cascade import CascadeLevel, CascadePlan
+
+_I32 = np.int32
+
+
+@dataclass(frozen=True)
+class _Node:
+    """A kept shared node: planned positions ``lo:hi`` read pages ``start:end`` of their tables."""
+
+    level: int
+    lo: int
+    hi: int
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class CascadePlanner:
+    """Turns a batch's page tables into a ``CascadePlan``.
+
+    The cost model, in tokens of KV read per layer: a shared node whose segment holds L tokens and is
+    read by q requests saves (q - 1)·L tokens of reads, and costs a launch plus a merge of the batch's
+    states whatever L is. A node gets its own group when both hold:
+
+    min_shared_tokens: L >= this. Short segments are cheaper to read again than to merge.
+    min_saved_tokens: (q - 1)·L >= this. The default, 7·256, is the measured break-even of a
+        256-token prefix shared by 8 requests (the same corner vLLM's cascade heuristic uses); it
+        also lets 2 requests share a long conversation (2048 tokens or more).
+    max_levels: at most this many levels in all, the unique level included (1 disables sharing).
+        Nodes are kept top-down, so when the budget runs out the deepest nodes are folded.
+
+    A node that is not kept is folded: its pages go to its kept descendants' segments, or to the
+    unique level.
+    """
+
+    min_shared_tokens: int = 256
+    min_saved_tokens: int = 7 * 256
+    max_levels: int = 4
+
+    def __post_init__(self) -> None:
+        if self.min_shared_tokens < 1:
+            raise ValueError(f"min_shared_tokens must be >= 1, got {self.min_shared_tokens}")
+        if self.min_saved_tokens < 0:
+            raise ValueError(f"min_saved_tokens must be >= 0, got {self.min_saved_tokens}")
+        if self.max_levels < 1:
+            raise ValueError(f"max_levels must be >= 1, got {self.max_levels}")
+
+    def plan(
+        self,
+        block_tables: np.ndarray | Sequence[Sequence[int] | np.ndarray],
+        kv_lens: Sequence[int] | np.ndarray,
+        qo_lens: Sequence[int] | np.ndarray,
+        page_size: int,
+    ) -> CascadePlan:
+        """Plan one batch.
+
+        block_tables: per request, its page ids (a 2-D int array, or a sequence of 1-D ones); request i
+            uses the first ceil(kv_lens[i] / page_size) entries, later ones are ignored.
+        kv_lens: per request, its KV length in tokens, its new tokens included.
+        qo_lens: per request, its number of query tokens (its last qo_lens[i] KV tokens); 0 allowed.
+        page_size: tokens per page.
+
+        Requests without queries take no part: they sit last in planned order with no KV anywhere.
+        A shared segment never reaches a request's new tokens: a node is capped at the whole pages
+        before the first new token of every member.
+        """
+        kv, qo, tables, page_size = _validate(block_tables, kv_lens, qo_lens, page_size)
+        batch = kv.shape[0]
+        # Whole pages of KV computed before this step: the most a request can share.
+        shareable = np.where(qo > 0, (kv - qo) // page_size, 0)
+
+        order = _sort_by_table(tables, shareable, qo > 0)
+        num_active = int(np.count_nonzero(qo > 0))
+        lcp = _neighbour_lcp([tables[r] for r in order[:num_active]], shareable[order[:num_active]])
+        nodes = self._choose(_lcp_intervals(lcp), page_size)
+
+        qo_planned = qo[order]
+        qo_indptr = np.zeros(batch + 1, dtype=np.int64)
+        np.cumsum(qo_planned, out=qo_indptr[1:])
+
+        shared_end = np.zeros(batch, dtype=np.int64)
+        for node in nodes:  # pre-order: a deeper node overwrites its ancestors
+            shared_end[node.lo : node.hi] = node.end
+
+        num_shared = max((n.level + 1 for n in nodes), default=0)
+        levels = [
+            _shared_level([n for n in nodes if n.level == d], tables, order, qo_indptr, page_size)
+            for d in range(num_shared)
+        ]
+        levels.append(_unique_level(tables, order, kv, qo_planned, qo_indptr, shared_end, page_size))
+
+        inverse = np.empty(batch, dtype=_I32)
+        inverse[order] = np.arange(batch, dtype=_I32)
+        return CascadePlan(
+            levels=tuple(levels),
+            request_order=order.astype(_I32),
+            request_inverse=inverse,
+            query_order=_query_order(qo, order, qo_indptr),
+            page_size=page_size,
+        )
+
+    def _choose(self, intervals: list[tuple[int, int, int]], page_size: int) -> list[_Node]:
+        """Keep the sharing-tree nodes worth a call, top-down. ``intervals`` are (pages, lo, hi) in
+        pre-order; a kept node's segment starts where its nearest kept ancestor's ends."""
+        kept: list[_Node] = []
+        path: list[_Node] = []  # kept ancestors of the current node, outermost first
+        for depth, lo, hi in intervals:
+            while path and path[-1].hi <= lo:
+                path.pop()
+            if len(path) >= self.max_levels - 1:
+                continue
+            start = path[-1].end if path else 0
+            tokens = (depth - start) * page_size
+            if tokens >= self.min_shared_tokens and (hi - lo - 1) * tokens >= self.min_saved_tokens:
+                node = _Node(level=len(path), lo=lo, hi=hi, start=start, end=depth)
+                kept.append(node)
+                path.append(node)
+        return kept
+
+
+def _validate(
+    block_tables: np.ndarray | Sequence[Sequence[int] | np.ndarray],
+    kv_lens: Sequence[int] | np.ndarray,
+    qo_lens: Sequence[int] | np.ndarray,
+    page_size: int,
+) -> tuple[np.ndarray, np.ndarray, list[np.ndarray], int]:
+    """Checked int64 lengths, each request's used pages (int32, exactly ceil(kv / page_size)) and the
+    page size as an int."""
+    if isinstance(page_size, bool) or not isinstance(page_size, int | np.integer) or page_size < 1:
+        raise ValueError(f"page_size must be a positive integer, got {page_size!r}")
+    page_size = int(page_size)
+    kv = np.asarray(kv_lens, dtype=np.int64).reshape(-1)
+    qo = np.asarray(qo_lens, dtype=np.int64).reshape(-1)
+    if kv.shape != qo.shape or len(block_tables) != kv.shape[0]:
+        raise ValueError(
+            f"block_tables, kv_lens and qo_lens must have one entry per request, got "
+            f"{len(block_tables)}, {kv.shape[0]} and {qo.shape[0]}"
+        )
+    if (kv < 0).any() or (qo < 0).any():
+        raise ValueError("kv_lens and qo_lens must be >= 0")
+    if (qo > kv).any():
+        i = int(np.argmax(qo > kv))
+        raise ValueError(f"request {i}: qo_len {qo[i]} exceeds kv_len {kv[i]} (queries are part of the KV)")
+    num_pages = -(-kv // page_size)
+    tables = [
+        np.asarray(row).reshape(-1)[:n] for row, n in zip(block_tables, num_pages.tolist(), strict=True)
+    ]
+    for i, (pages, n) in enumerate(zip(tables, num_pages.tolist(), strict=True)):
+        if pages.shape[0] < n:
+            raise ValueError(f"request {i}: {pages.shape[0]} pages for kv_len {kv[i]}, needs {n}")
+    used = np.concatenate(tables) if tables else np.zeros(0, dtype=_I32)
+    if used.size and (used.min() < 0 or used.max() > np.iinfo(_I32).max):
+        raise ValueError("page ids must be in [0, 2**31)")
+    tables = [pages.astype(_I32, copy=False) for pages in tables]
+    return kv, qo, tables, page_size
+
+
+def _sort_by_table(tables: list[np.ndarray], shareable: np.ndarray, active: np.ndarray) -> np.ndarray:
+    """Planned order: requests with queries sorted by their shareable pages, so that requests sharing a
+    prefix are contiguous (the DFS order of the trie); requests without queries last. Stable: equal
+    tables keep the engine's order."""
+    # Any fixed-width encoding of the page ids groups common prefixes: a byte string sorts next to the
+    # strings it shares a prefix with, and a prefix sorts before its extensions.
+    keys = [
+        (not a, t[:s].tobytes()) for t, s, a in zip(tables, shareable.tolist(), active.tolist(), strict=True)
+    ]
+    return np.array(sorted(range(len(tables)), key=keys.__getitem__), dtype=np.int64)
+
+
+def _neighbour_lcp(tables: list[np.ndarray], shareable: np.ndarray) -> np.ndarray:
+    """lcp[i]: pages that sorted requests i and i+1 share at the start of their shareable pages."""
+    n = len(tables)
+    if n < 2:
+        return np.zeros(0, dtype=np.int64)
+    bound = np.minimum(shareable[:-1], shareable[1:])
+    width = int(bound.max())
+    if width == 0:
+        return bound
+    # One padded matrix, width columns: no common prefix is longer than its shorter member.
+    padded = np.full((n, width), -1, dtype=_I32)
+    for row, table, length in zip(padded, tables, np.minimum(shareable, width).tolist(), strict=True):
+        row[:length] = table[:length]
+    differ = padded[1:] != padded[:-1]
+    first = np.where(differ.any(axis=1), differ.argmax(axis=1), width)
+    return np.minimum(first, bound)
+
+
+def _lcp_intervals(lcp: np.ndarray) -> list[tuple[int, int, int]]:
+    """The sharing tree from neighbour LCPs: every maximal run lo:hi (hi - lo >= 2) of sorted requests
+    that share `pages` > 0 pages, as (pages, lo, hi), in pre-order (ancestors first)."""
+    found: list[tuple[int, int, int]] = []
+    open_runs: list[tuple[int, int]] = []  # (pages, lo), pages increasing
+    values = lcp.tolist()
+    for i in range(len(values) + 1):
+        value = values[i] if i < len(values) else 0  # the end closes every run
+        lo = i
+        while open_runs and open_runs[-1][0] > value:
+            pages, lo = open_runs.pop()
+            found.append((pages, lo, i + 1))
+        if value > 0 and (not open_runs or open_runs[-1][0] < value):
+            open_runs.append((value, lo))
+    found.sort(key=lambda node: (node[1], -node[2]))
+    return found
+
+
+def _shared_level(
+    nodes: list[_Node],
+    tables: list[np.ndarray],
+    order: np.ndarray,
+    qo_indptr: np.ndarray,
+    page_size: int,
+) -> CascadeLevel:
+    """One group per node of this level, and one group without KV per run of requests between them."""
+    group_qo = [0]
+    group_pages: list[np.ndarray] = []
+    position = 0
+    for node in sorted(nodes, key=lambda n: n.lo):
+        if qo_indptr[node.lo] > qo_indptr[position]:
+            group_qo.append(int(qo_indptr[node.lo]))
+            group_pages.append(np.zeros(0, dtype=_I32))
+        group_qo.append(int(qo_indptr[node.hi]))
+        # Members share these pages by construction; any member's table gives them.
+        group_pages.append(tables[order[node.lo]][node.start : node.end])
+        position = node.hi
+    if qo_indptr[-1] > qo_indptr[position]:
+        group_qo.append(int(qo_indptr[-1]))
+        group_pages.append(np.zeros(0, dtype=_I32))
+    num_pages = np.array([p.shape[0] for p in group_pages], dtype=np.int64)
+    return CascadeLevel(
+        qo_indptr=np.array(group_qo, dtype=_I32),
+        kv_indptr=_indptr(num_pages),
+        kv_indices=_concat(group_pages),
+        kv_last_page_len=np.where(num_pages > 0, page_size, 0).astype(_I32),
+        causal=False,
+    )
+
+
+def _unique_level(
+    tables: list[np.ndarray],
+    order: np.ndarray,
+    kv: np.ndarray,
+    qo_planned: np.ndarray,
+    qo_indptr: np.ndarray,
+    shared_end: np.ndarray,
+    page_size: int,
+) -> CascadeLevel:
+    """One causal group per request: its pages after its deepest shared segment (none if it has no
+    queries). Always non-empty for a request with queries: shared segments stop before new tokens."""
+    kv_planned = kv[order]
+    end = np.where(qo_planned > 0, -(-kv_planned // page_size), shared_end)
+    pages = [
+        tables[r][s:e] for r, s, e in zip(order.tolist(), shared_end.tolist(), end.tolist(), strict=True)
+    ]
+    last = np.where(end > shared_end, kv_planned - (end - 1) * page_size, 0)
+    return CascadeLevel(
+        qo_indptr=qo_indptr.astype(_I32),
+        kv_indptr=_indptr(end - shared_end),
+        kv_indices=_concat(pages),
+        kv_last_page_len=last.astype(_I32),
+        causal=True,
+    )
+
+
+def _query_order(qo: np.ndarray, order: np.ndarray, qo_indptr: np.ndarray) -> np.ndarray:
+    """Planned query token t -> engine query token; each request's queries stay contiguous."""
+    engine_start = np.cumsum(qo) - qo
+    lens = qo[order]
+    shift = np.repeat(engine_start[order] - qo_indptr[:-1], lens)
+    return np.arange(int(qo_indptr[-1]), dtype=np.int64) + shift
+
+
+def _indptr(counts: np.ndarray) -> np.ndarray:
+    indptr = np.zeros(counts.shape[0] + 1, dtype=_I32)
+    np.cumsum(counts, out=indptr[1:])
+    return indptr
+
+
+def _concat(parts: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(parts).astype(_I32, copy=False) if parts else np.zeros(0, dtype=_I32)

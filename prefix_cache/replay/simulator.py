@@ -1,0 +1,378 @@
+"""A continuous-batching scheduler that replays chat conversations through a :class:`PrefixCache`.
+
+Model of the engine:
+
+- ``clients`` users each replay one conversation turn by turn and then start the next unstarted
+  one. A turn's requests (one per parallel sample) arrive when the user's previous turn has finished
+  every sample, at the back of one FCFS queue.
+- Each scheduler step first admits requests from the head of the queue while fewer than
+  ``max_running`` run. Admission is the prefill: ``open`` the prompt, ``allocate`` its uncached
+  tokens and ``commit`` them, all in that step. Then every running request decodes one reply token
+  (``allocate(seq, 1)``, ``commit``), and requests whose reply is complete are ``close``\\ d.
+- No preemption, so admission reserves the pages a request's whole reply will need: the head waits
+  (its prefix stays locked by its ``open``) until free plus evictable pages cover the pages every
+  running request may still allocate plus its own prompt and reply. Should its ``open`` lock
+  evictable pages the running requests count on, it closes again and reopens after the next
+  request finishes. A head that cannot fit even with nothing running is skipped and its
+  conversation ends there; nothing can deadlock.
+- Alongside, :class:`UnlimitedPrefixIndex` sees the same opens and commits and gives the hits of a
+  cache with unlimited pages: the best possible hit rate for this request order.
+
+Time inside cache calls is measured with ``time.perf_counter_ns`` around the calls only (the decode
+step times the loop over running requests as a whole, to keep the timer out of a ~1 µs operation).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from prefix_cache.cache import OutOfPages, PrefixCache
+from prefix_cache.replay.conversation import Conversation
+from prefix_cache.replay.oracle import ROOT, UnlimitedPrefixIndex
+from prefix_cache.stats import CacheStats
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of the simulated engine; pages of ``page_size`` tokens.
+
+    16384 pages of 16 tokens hold 262k tokens: 32 GiB of KV at Llama-3-8B's 128 KiB per token,
+    a fraction of one H200's memory.
+    """
+
+    num_pages: int = 16384
+    page_size: int = 16
+    max_running: int = 64
+    clients: int = 128
+
+
+@dataclass
+class ReplayResult:
+    """What a replay measured. Token counts are tokens; times are nanoseconds in cache calls.
+
+    ``cached_tokens`` sums ``num_cached_tokens`` over admitted requests, ``best_cached_tokens`` the
+    same with unlimited pages. ``skipped_requests`` could not fit in the pool even alone;
+    ``cut_replies`` ran out of pages mid-decode (not expected: admission reserves their pages).
+    """
+
+    conversations: int = 0
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    best_cached_tokens: int = 0
+    decode_tokens: int = 0
+    steps: int = 0
+    skipped_requests: int = 0
+    cut_replies: int = 0
+    conversations_cut: int = 0
+    peak_running: int = 0
+    peak_locked_pages: int = 0
+    peak_used_pages: int = 0
+    open_ns: int = 0
+    prefill_ns: int = 0
+    decode_ns: int = 0
+    close_ns: int = 0
+    closed: int = 0
+    wall_seconds: float = 0.0
+    stats: CacheStats | None = field(default=None, repr=False)
+
+    @property
+    def hit_rate(self) -> float:
+        """Cached share of prompt tokens."""
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def best_hit_rate(self) -> float:
+        """Cached share of prompt tokens with unlimited pages."""
+        return self.best_cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def admit_us(self) -> float:
+        """Microseconds in cache calls per admitted request (open, allocate, commit)."""
+        return self.open_us + self.prefill_us
+
+    @property
+    def open_us(self) -> float:
+        """Microseconds in ``open`` per admitted request."""
+        return self.open_ns / 1e3 / self.requests if self.requests else 0.0
+
+    @property
+    def prefill_us(self) -> float:
+        """Microseconds per admitted request in ``allocate`` + ``commit`` of its uncached prompt
+        tokens (attempts that raised ``OutOfPages`` included)."""
+        return self.prefill_ns / 1e3 / self.requests if self.requests else 0.0
+
+    @property
+    def decode_us(self) -> float:
+        """Microseconds in cache calls per running request per step (allocate + commit of 1 token)."""
+        return self.decode_ns / 1e3 / self.decode_tokens if self.decode_tokens else 0.0
+
+    @property
+    def close_us(self) -> float:
+        """Microseconds in ``close`` per finished request."""
+        return self.close_ns / 1e3 / self.closed if self.closed else 0.0
+
+
+class _Request:
+    """One request: a prompt and the reply it decodes. ``pos`` counts reply tokens committed."""
+
+    __slots__ = (
+        "best_hit",
+        "client",
+        "last_page",
+        "pos",
+        "prompt",
+        "reply",
+        "reply_ids",
+        "sample",
+        "seq",
+        "tokens",
+    )
+
+    def __init__(self, client: _Client, sample: int, prompt: np.ndarray, reply: np.ndarray) -> None:
+        self.client = client
+        self.sample = sample
+        self.prompt = prompt
+        self.reply = reply
+        self.tokens = np.concatenate([prompt, reply])
+        self.seq = None
+        self.reply_ids: list[int] = []  # filled at admission, for the decode steps
+        self.pos = 0
+        # Unlimited-pages hit and the page it ends at (see UnlimitedPrefixIndex), set at open.
+        self.best_hit = 0
+        self.last_page = ROOT
+
+
+class _Client:
+    """A user replaying one conversation: its history so far and the samples still outstanding."""
+
+    __slots__ = ("context", "conv", "cut", "outstanding", "turn")
+
+    def __init__(self, conv: Conversation) -> None:
+        self.conv = conv
+        self.turn = 0
+        self.context = conv.prefix
+        self.outstanding = 0
+        self.cut = False
+
+
+class Replay:
+    """Replays conversations through ``cache``; :meth:`run` does it once.
+
+    ``on_request_done(n)`` is called as ``n`` requests end or are given up (for a progress bar).
+    """
+
+    def __init__(
+        self,
+        cache: PrefixCache,
+        conversations: list[Conversation],
+        config: SchedulerConfig,
+        on_request_done: Callable[[int], object] | None = None,
+    ) -> None:
+        if config.max_running < 1 or config.clients < 1:
+            raise ValueError("max_running and clients must be at least 1")
+        self.cache = cache
+        self.config = config
+        self.ps = config.page_size
+        self.oracle = UnlimitedPrefixIndex(config.page_size)
+        self.result = ReplayResult()
+        self._unstarted = deque(conversations)
+        self._queue: deque[_Request] = deque()
+        self._running: list[_Request] = []
+        # ``result.closed`` when the head of the queue last closed its sequence unadmitted.
+        self._let_go_at = -1
+        self._on_request_done = on_request_done or (lambda n: None)
+
+    def run(self) -> ReplayResult:
+        """Replay every conversation to the end; returns the measurements."""
+        start = time.perf_counter()
+        for _ in range(self.config.clients):
+            self._start_next_conversation()
+        cache, res = self.cache, self.result
+        while self._queue or self._running:
+            self._admit()
+            res.steps += 1
+            res.peak_running = max(res.peak_running, len(self._running))
+            self._decode_step()
+            # Sampled when the step's pages are all allocated, before finished requests let go.
+            free, evictable = cache.num_free_pages, cache.num_evictable_pages
+            res.peak_locked_pages = max(res.peak_locked_pages, cache.num_pages - free - evictable)
+            res.peak_used_pages = max(res.peak_used_pages, cache.num_pages - free)
+            self._close_finished()
+        res.wall_seconds = time.perf_counter() - start
+        res.stats = cache.stats
+        return res
+
+    # -- arrivals -----------------------------------------------------------------------------------
+
+    def _start_next_conversation(self) -> None:
+        if self._unstarted:
+            client = _Client(self._unstarted.popleft())
+            self.result.conversations += 1
+            self._enqueue_turn(client)
+
+    def _enqueue_turn(self, client: _Client) -> None:
+        turn = client.conv.turns[client.turn]
+        prompt = np.concatenate([client.context, turn.user])
+        client.outstanding = len(turn.replies)
+        for sample, reply in enumerate(turn.replies):
+            self._queue.append(_Request(client, sample, prompt, reply))
+
+    def _finish(self, req: _Request, completed: bool) -> None:
+        """Bookkeeping after a request ends: the next turn once all samples are done."""
+        client = req.client
+        client.outstanding -= 1
+        if req.sample == 0:
+            if completed:
+                client.context = req.tokens
+            else:
+                client.cut = True  # the conversation cannot go on without its reply
+        self._on_request_done(1)
+        if client.outstanding:
+            return
+        client.turn += 1
+        remaining = client.conv.turns[client.turn :]
+        if remaining and not client.cut:
+            self._enqueue_turn(client)
+            return
+        if remaining:
+            self.result.conversations_cut += 1
+            self._on_request_done(sum(len(t.replies) for t in remaining))
+        self._start_next_conversation()
+
+    # -- admission ----------------------------------------------------------------------------------
+
+    def _pages(self, tokens: int) -> int:
+        return -(-tokens // self.ps)
+
+    def _reserved_pages(self) -> int:
+        """Pages the running requests may still allocate until their replies are complete."""
+        ps = self.ps
+        return sum(-(-len(r.tokens) // ps) - -(-(len(r.prompt) + r.pos) // ps) for r in self._running)
+
+    def _admit(self) -> None:
+        cache, res = self.cache, self.result
+        while self._queue and len(self._running) < self.config.max_running:
+            req = self._queue[0]
+            if req.seq is None:
+                if res.closed == self._let_go_at:
+                    return  # nothing was freed since the head last had to let go
+                t0 = time.perf_counter_ns()
+                req.seq = cache.open(req.prompt)
+                res.open_ns += time.perf_counter_ns() - t0
+                req.best_hit, req.last_page = self.oracle.match(req.prompt)
+                if cache.num_free_pages + cache.num_evictable_pages < self._reserved_pages():
+                    # Its prefix locked evictable pages that running requests count on: let go
+                    # until a request closes.
+                    t0 = time.perf_counter_ns()
+                    cache.close(req.seq)
+                    res.open_ns += time.perf_counter_ns() - t0
+                    req.seq = None
+                    self._let_go_at = res.closed
+                    return
+            cached = req.seq.num_cached_tokens
+            needed = self._pages(len(req.tokens)) - cached // self.ps + self._reserved_pages()
+            if cache.num_free_pages + cache.num_evictable_pages >= needed:
+                t0 = time.perf_counter_ns()
+                try:
+                    cache.allocate(req.seq, len(req.prompt) - cached)
+                    cache.commit(req.seq, req.prompt[cached:])
+                    admitted = True
+                except OutOfPages:
+                    admitted = False
+                res.prefill_ns += time.perf_counter_ns() - t0
+            else:
+                admitted = False
+            if not admitted:
+                if self._running:
+                    return  # FCFS: the head waits for running requests to free pages
+                self._skip(req)
+                continue
+            self._queue.popleft()
+            self._running.append(req)
+            req.reply_ids = req.reply.tolist()
+            res.requests += 1
+            res.prompt_tokens += len(req.prompt)
+            res.cached_tokens += cached
+            res.best_cached_tokens += req.best_hit
+            req.last_page = self.oracle.extend_all(req.last_page, req.prompt, req.best_hit)
+
+    def _skip(self, req: _Request) -> None:
+        """Drop a request that cannot fit even in an idle pool."""
+        self._queue.popleft()
+        self.result.skipped_requests += 1
+        self._close(req, completed=False)
+
+    # -- decode -------------------------------------------------------------------------------------
+
+    def _decode_step(self) -> None:
+        """One reply token for every running request."""
+        cache, res = self.cache, self.result
+        allocate, commit = cache.allocate, cache.commit
+        # Built before the timer starts: the sampled token as an engine has it after ``.tolist()``,
+        # in the one-int list that ``commit`` takes on its per-token path.
+        work = [(r.seq, [r.reply_ids[r.pos]]) for r in self._running]
+        starved = []
+        t0 = time.perf_counter_ns()
+        for i, (seq, token) in enumerate(work):
+            try:
+                allocate(seq, 1)
+            except OutOfPages:
+                starved.append(i)
+                continue
+            commit(seq, token)
+        res.decode_ns += time.perf_counter_ns() - t0
+        res.decode_tokens += len(work) - len(starved)
+        for i in reversed(starved):
+            req = self._running.pop(i)
+            res.cut_replies += 1
+            self._close(req, completed=False)
+        ps, oracle = self.ps, self.oracle
+        for req in self._running:
+            req.pos += 1
+            end = len(req.prompt) + req.pos
+            if end % ps == 0:
+                req.last_page = oracle.extend(req.last_page, req.tokens[end - ps : end])
+
+    def _close_finished(self) -> None:
+        running = self._running
+        if any(r.pos == len(r.reply) for r in running):
+            self._running = [r for r in running if r.pos < len(r.reply)]
+            for req in running:
+                if req.pos == len(req.reply):
+                    self._close(req, completed=True)
+
+    def _close(self, req: _Request, completed: bool) -> None:
+        t0 = time.perf_counter_ns()
+        self.cache.close(req.seq)
+        self.result.close_ns += time.perf_counter_ns() - t0
+        self.result.closed += 1
+        self._finish(req, completed)
+
+
+def replay(
+    conversations: list[Conversation],
+    config: SchedulerConfig,
+    cache: PrefixCache | None = None,
+    progress: bool = False,
+) -> tuple[PrefixCache, ReplayResult]:
+    """Replay ``conversations`` through ``cache`` (a new one sized by ``config`` if None).
+
+    ``progress`` shows a progress bar of requests on stderr (tqdm, the ``replay`` extra). Returns the
+    cache, in its final state, and the measurements.
+    """
+    if cache is None:
+        # Nobody drains events here: recording them would only pile them up.
+        cache = PrefixCache(num_pages=config.num_pages, page_size=config.page_size, record_events=False)
+    total = sum(len(t.replies) for conv in conversations for t in conv.turns)
+    if not progress:
+        return cache, Replay(cache, conversations, config).run()
+    from tqdm import tqdm
+
+    with tqdm(desc="replaying", unit="req", total=total) as bar:
+        return cache, Replay(cache, conversations, config, on_request_done=bar.update).run()

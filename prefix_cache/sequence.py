@@ -1,0 +1,129 @@
+"""A sequence's view of the cache: its tokens, its pages and the cached path it holds."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from prefix_cache.block_tree import Node, Root
+from prefix_cache.hashing import Namespace
+
+if TYPE_CHECKING:
+    from prefix_cache.cache import PrefixCache
+
+
+class Sequence:
+    """One request's pages, created by ``PrefixCache.open`` and released by ``PrefixCache.close``.
+
+    Its pages are, in order: the pages of its cached path (tree nodes it holds a reference on),
+    then pages private to it (being filled, reserved, or full but not cacheable after a hash
+    collision). All attributes are read-only; only the cache that opened it changes it.
+    """
+
+    __slots__ = (
+        "_broken",
+        "_cache",
+        "_capacity",
+        "_id",
+        "_namespace",
+        "_nodes",
+        "_num_allocated",
+        "_num_cached_tokens",
+        "_num_full_pages",
+        "_num_pages",
+        "_num_tokens",
+        "_owner",
+        "_pages",
+        "_root",
+        "_tokens",
+    )
+
+    def __init__(
+        self, cache: PrefixCache, seq_id: int, namespace: Namespace, root: Root, capacity_pages: int
+    ) -> None:
+        page_size = cache.page_size
+        self._cache = cache
+        # The cache while the sequence is open, None once closed: one identity test guards the hot path.
+        self._owner: PrefixCache | None = cache
+        self._id = seq_id
+        self._namespace = namespace
+        self._root = root
+        # Committed tokens; capacity is always a whole number of pages, at least the allocated ones.
+        self._tokens = np.empty(max(capacity_pages, 1) * page_size, dtype=np.int32)
+        self._pages = np.empty(max(capacity_pages, 1), dtype=np.int32)
+        self._num_pages = 0
+        self._num_tokens = 0
+        self._num_allocated = 0
+        # Tokens the allocated pages can hold: ``_num_pages * page_size``.
+        self._capacity = 0
+        self._num_cached_tokens = 0
+        # Held tree nodes of the first ``len(_nodes)`` pages.
+        self._nodes: list[Node] = []
+        # Full pages already offered to the tree (cached, switched to a duplicate, or left private).
+        self._num_full_pages = 0
+        # Set after a hash collision: no later page can be cached under a page that is not.
+        self._broken = False
+
+    def _add_pages(self, pages: list[int], page_size: int) -> None:
+        """Append page ids to the block table, doubling the buffers when they are full."""
+        end = self._num_pages + len(pages)
+        if end > len(self._pages):
+            size = max(end, 2 * len(self._pages))
+            grown_pages = np.empty(size, dtype=np.int32)
+            grown_pages[: self._num_pages] = self._pages[: self._num_pages]
+            self._pages = grown_pages
+            grown_tokens = np.empty(size * page_size, dtype=np.int32)
+            grown_tokens[: self._num_tokens] = self._tokens[: self._num_tokens]
+            self._tokens = grown_tokens
+        self._pages[self._num_pages : end] = pages
+        self._num_pages = end
+        self._capacity = end * page_size
+
+    @property
+    def seq_id(self) -> int:
+        """Unique among the sequences of its cache."""
+        return self._id
+
+    @property
+    def namespace(self) -> Namespace:
+        return self._namespace
+
+    @property
+    def closed(self) -> bool:
+        return self._owner is None
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens whose KV was already cached at ``open``: whole pages, at most
+        ``len(prompt) - 1``."""
+        return self._num_cached_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens whose KV is written: the cached prefix plus everything committed since."""
+        return self._num_tokens
+
+    @property
+    def num_allocated_tokens(self) -> int:
+        """Tokens with a reserved slot (``>= num_tokens``)."""
+        return self._num_allocated
+
+    @property
+    def block_table(self) -> np.ndarray:
+        """int32 page ids ``[ceil(num_allocated_tokens / page_size)]``; token ``t`` lives in page
+        ``block_table[t // page_size]`` at slot ``t % page_size``. A view: it is invalidated by the
+        next ``allocate`` or ``commit`` and is empty once the sequence is closed."""
+        return self._pages[: self._num_pages]
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """The committed token ids, int32 ``[num_tokens]`` (a view, like ``block_table``)."""
+        return self._tokens[: self._num_tokens]
+
+    def __repr__(self) -> str:
+        state = "closed" if self._owner is None else "open"
+        return (
+            f"Sequence(id={self._id}, {state}, namespace={self._namespace!r}, tokens={self._num_tokens}, "
+            f"allocated={self._num_allocated}, pages={self._num_pages})"
+        )

@@ -1,0 +1,42 @@
+"""A snapshot of a cache's counters and occupancy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    """Counters since the cache was built, and page occupancy at the time of the snapshot.
+
+    Token counters count prompt tokens passed to ``PrefixCache.open`` (``match`` is not counted);
+    page counters count pages.
+
+    query_tokens: prompt tokens of all opened sequences.
+    hit_tokens: of those, tokens served from the cache (``Sequence.num_cached_tokens``).
+    hit_rate: ``hit_tokens / query_tokens``, 0.0 before the first query.
+    opened_sequences, closed_sequences: sequences opened and closed.
+    stored_pages: full pages that became cached.
+    duplicate_pages: full pages whose block was already cached; the sequence switched to the
+        cached page and gave its own back.
+    collision_pages: full pages left uncached because a different block had the same hash.
+    evicted_pages: cached pages dropped by eviction or ``reset``.
+    num_pages, free_pages, cached_pages, evictable_pages: occupancy now; ``cached_pages`` counts the
+        pages in the block tree, ``evictable_pages`` those of them no live sequence holds.
+    live_sequences: sequences opened and not yet closed.
+    """
+
+    query_tokens: int
+    hit_tokens: int
+    hit_rate: float
+    opened_sequences: int
+    closed_sequences: int
+    stored_pages: int
+    duplicate_pages: int
+    collision_pages: int
+    evicted_pages: int
+    num_pages: int
+    free_pages: int
+    cached_pages: int
+    evictable_pages: int
+    live_sequences: int

@@ -1,0 +1,185 @@
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+from attention_reference import reference_attention
+from cascade_batches import Batch, batches
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefix_cache.attention import create_backend
+from prefix_cache.attention.flashinfer_backend import compact_level
+from prefix_cache.attention.merge import merge_states
+from prefix_cache.attention.torch_backend import TorchBackend
+from prefix_cache.cascade import CascadeLevel
+from prefix_cache.cascade_planner import CascadePlanner
+
+BACKENDS = ["torch", "triton", "flashinfer"]
+CUDA = torch.cuda.is_available()
+# Absolute and relative tolerance against the float64 reference, by the dtype of q and the KV.
+TOLERANCE = {torch.float32: 2e-3, torch.float16: 1e-2, torch.bfloat16: 4e-2}
+HEADS = [(1, 1), (2, 1), (4, 2), (9, 3), (4, 4)]  # (num_qo_heads, num_kv_heads)
+# Planners that share even tiny prefixes, so that small batches get deep plans, and the default one.
+PLANNERS = [CascadePlanner(min_shared_tokens=1, min_saved_tokens=0, max_levels=m) for m in (1, 2, 3, 4)]
+PLANNERS.append(CascadePlanner())
+
+
+def make_backend(name: str):
+    """The backend, or a skip when its optional dependency or CUDA is missing here."""
+    if name == "triton":
+        pytest.importorskip("triton")
+    if name == "flashinfer":
+        pytest.importorskip("flashinfer")
+        if not CUDA:
+            pytest.skip("flashinfer needs CUDA")
+    return create_backend(name)
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """What to draw for one backend: its device, dtypes, head dims, batches and how many."""
+
+    device: str
+    dtypes: tuple[torch.dtype, ...]
+    head_dims: tuple[int, ...]
+    batches: st.SearchStrategy[Batch]
+    max_examples: int
+
+
+SWEEPS = {
+    "torch": Sweep("cpu", (torch.float32, torch.float16, torch.bfloat16), (16, 32), batches(), 100),
+    # Without CUDA, Triton's interpreter runs the kernels: slow, and wrong for bf16. Small batches there.
+    "triton": Sweep("cuda", (torch.float32, torch.float16, torch.bfloat16), (64, 128), batches(), 100)
+    if CUDA
+    else Sweep(
+        "cpu",
+        (torch.float32, torch.float16),
+        (16, 32),
+        batches(max_conversations=2, max_samples=2, max_segment_pages=2, max_qo_len=4),
+        30,
+    ),
+    # One head_dim: every (dtype, head_dim) is a separate FlashInfer JIT build on first use.
+    "flashinfer": Sweep("cuda", (torch.float16, torch.bfloat16), (128,), batches(), 100),
+}
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_backend_matches_reference(name: str) -> None:
+    """Random batches, plans and data; the backend against the float64 attention from page tables."""
+    backend = make_backend(name)
+    sweep = SWEEPS[name]
+
+    @settings(max_examples=sweep.max_examples, deadline=None)
+    @given(data=st.data(), batch=sweep.batches)
+    def check(data: st.DataObject, batch: Batch) -> None:
+        dtype = data.draw(st.sampled_from(sweep.dtypes), label="dtype")
+        head_dim = data.draw(st.sampled_from(sweep.head_dims), label="head_dim")
+        num_qo_heads, num_kv_heads = data.draw(st.sampled_from(HEADS), label="heads")
+        planner = data.draw(st.sampled_from(PLANNERS), label="planner")
+        generator = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1), label="seed"))
+        q = torch.randn(int(batch.qo_lens.sum()), num_qo_heads, head_dim, generator=generator)
+        kv_cache = torch.randn(
+            batch.num_pages, 2, batch.page_size, num_kv_heads, head_dim, generator=generator
+        )
+        q, kv_cache = q.to(sweep.device, dtype), kv_cache.to(sweep.device, dtype)
+
+        plan = planner.plan(batch.block_tables, batch.kv_lens, batch.qo_lens, batch.page_size)
+        backend.plan(plan, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+        out = backend.run(q, kv_cache)
+        expected = reference_attention(
+            q, kv_cache, batch.block_tables, batch.kv_lens, batch.qo_lens, head_dim**-0.5
+        )
+
+        assert out.dtype == dtype and out.shape == q.shape and out.device == q.device
+        assert torch.isfinite(out).all()
+        tolerance = TOLERANCE[dtype]
+        torch.testing.assert_close(out.double(), expected, atol=tolerance, rtol=tolerance)
+
+    check()
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize(("kv_lens", "qo_lens"), [([], []), ([50, 0], [0, 0])])
+def test_batch_without_queries(name: str, kv_lens: list[int], qo_lens: list[int]) -> None:
+    backend = make_backend(name)
+    device, dtype = SWEEPS[name].device, torch.float16
+    tables = [np.arange(4, dtype=np.int32) for _ in kv_lens]
+    plan = CascadePlanner().plan(tables, kv_lens, qo_lens, 16)
+    backend.plan(plan, num_qo_heads=4, num_kv_heads=2, head_dim=64)
+    kv_cache = torch.randn(4, 2, 16, 2, 64).to(device, dtype)
+    assert backend.run(torch.zeros(0, 4, 64, device=device, dtype=dtype), kv_cache).shape == (0, 4, 64)
+
+
+def test_run_checks_its_inputs() -> None:
+    backend = TorchBackend()
+    with pytest.raises(RuntimeError, match="before plan"):
+        backend.run(torch.zeros(1, 2, 16), torch.zeros(1, 2, 16, 1, 16))
+    with pytest.raises(ValueError, match="multiple"):
+        backend.plan(CascadePlanner().plan([[0]], [1], [1], 16), num_qo_heads=3, num_kv_heads=2, head_dim=16)
+    backend.plan(CascadePlanner().plan([[0]], [1], [1], 16), num_qo_heads=2, num_kv_heads=1, head_dim=16)
+    kv_cache = torch.zeros(1, 2, 16, 1, 16)
+    with pytest.raises(ValueError, match="q has shape"):
+        backend.run(torch.zeros(2, 2, 16), kv_cache)
+    with pytest.raises(ValueError, match="kv_cache has shape"):
+        backend.run(torch.zeros(1, 2, 16), torch.zeros(1, 2, 8, 1, 16))
+    with pytest.raises(ValueError, match="share one of"):
+        backend.run(torch.zeros(1, 2, 16, dtype=torch.float16), kv_cache)
+
+
+def test_merge_states_equals_attention_over_the_union() -> None:
+    generator = torch.Generator().manual_seed(0)
+    scores = torch.randn(5, 3, 12, generator=generator)  # [tokens, heads, keys]
+    values = torch.randn(12, 4, generator=generator)
+    segments = [slice(0, 4), slice(4, 4), slice(4, 12)]  # the middle one is empty
+
+    def attend(keys: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        s = scores[..., keys]
+        if s.shape[-1] == 0:  # an empty segment's out may be anything
+            return torch.full((5, 3, 4), float("nan")), torch.full((5, 3), float("-inf"))
+        return torch.softmax(s, -1) @ values[keys], torch.logsumexp(s, -1)
+
+    outs, lses = zip(*(attend(k) for k in segments), strict=True)
+    out, lse = merge_states(list(outs), list(lses))
+    torch.testing.assert_close(out, torch.softmax(scores, -1) @ values)
+    torch.testing.assert_close(lse, torch.logsumexp(scores, -1))
+    # Every segment empty: out 0, lse -inf.
+    out, lse = merge_states([torch.ones(2, 1, 4)], [torch.full((2, 1), float("-inf"))])
+    assert (out == 0).all() and torch.isneginf(lse).all()
+
+
+def test_compact_level_drops_groups_without_queries_or_kv() -> None:
+    level = CascadeLevel(
+        qo_indptr=np.array([0, 2, 2, 5, 6], dtype=np.int32),  # group 1 has no queries
+        kv_indptr=np.array([0, 3, 4, 4, 6], dtype=np.int32),  # group 2 has no KV
+        kv_indices=np.array([7, 8, 9, 1, 5, 6], dtype=np.int32),
+        kv_last_page_len=np.array([16, 16, 0, 16], dtype=np.int32),
+        causal=False,
+    )
+    compact = compact_level(level)
+    assert compact.qo_indptr.tolist() == [0, 2, 3] and compact.kv_indptr.tolist() == [0, 3, 5]
+    assert compact.kv_indices.tolist() == [7, 8, 9, 5, 6] and compact.kv_last_page_len.tolist() == [16, 16]
+    assert compact.rows.tolist() == [0, 1, 5] and not compact.causal
+    # Without group 2, only a group without queries goes: every row stays.
+    keep = [0, 1, 2, 4]
+    without_gap = CascadeLevel(
+        level.qo_indptr[keep],
+        level.kv_indptr[keep],
+        level.kv_indices,
+        level.kv_last_page_len[[0, 1, 3]],
+        True,
+    )
+    assert compact_level(without_gap).rows is None
+
+
+def test_create_backend() -> None:
+    assert isinstance(create_backend("torch"), TorchBackend)
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        create_backend("cuda")
+
+
+def test_create_backend_explains_a_missing_dependency(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "flashinfer", None)  # makes `import flashinfer` fail
+    with pytest.raises(ImportError, match="needs the 'flashinfer' package"):
+        create_backend("flashinfer")

@@ -1,0 +1,51 @@
+"""Helpers shared by the cache tests: a full snapshot of a cache's bookkeeping, and an independent
+computation of block keys."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+import numpy as np
+from xxhash import xxh3_64_intdigest
+
+from prefix_cache.cache import PrefixCache
+from prefix_cache.hashing import Namespace, namespace_seed
+
+
+def snapshot(cache: PrefixCache) -> tuple:
+    """Everything the cache's behaviour depends on, as comparable plain data."""
+    tree = cache._tree
+    nodes = sorted(
+        (n.key, n.parent.key, n.page, n.tokens, n.ref, n.tick, n.lru_serial, n.num_children)
+        for n in tree.index.values()
+    )
+    roots = sorted((repr(ns), r.ref, r.num_children) for ns, r in tree.roots.items())
+    heap = [(tick, serial, node.key) for tick, serial, node in tree.lru]
+    seqs = sorted(
+        (
+            s._id,
+            s._num_tokens,
+            s._num_allocated,
+            s._capacity,
+            s._num_pages,
+            s.block_table.tobytes(),
+            s.tokens.tobytes(),
+            tuple(n.key for n in s._nodes),
+            s._num_full_pages,
+            s._broken,
+        )
+        for s in cache._live
+    )
+    counters = (tree.num_nodes, tree.num_unreferenced, tree.num_lru, tree.tick, tree.version)
+    return (list(cache._pool.free), nodes, roots, heap, seqs, counters, cache.stats, len(cache._events))
+
+
+def chain_keys(tokens: Seq[int], page_size: int, namespace: Namespace = None) -> list[int]:
+    """The keys of the full pages of ``tokens``, computed without the library's tree."""
+    keys = []
+    parent = namespace_seed(namespace)
+    for start in range(0, len(tokens) - page_size + 1, page_size):
+        page = np.asarray(tokens[start : start + page_size], dtype=np.int32).tobytes()
+        parent = xxh3_64_intdigest(page, parent)
+        keys.append(parent)
+    return keys

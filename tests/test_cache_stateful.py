@@ -1,0 +1,350 @@
+"""Random engine traffic against PrefixCache, checked step by step against independent models.
+
+Three models, none of which reads the cache's tree:
+- ``cached``: per namespace, the set of cached prefixes (tuples of whole pages), rebuilt only from
+  the events. The cache's tree must hold exactly these prefixes, and ``match`` / ``open`` must
+  return the longest one that prefixes the prompt.
+- ``kv``: what the engine wrote into each page slot, as (namespace, tokens up to and including
+  that slot). Every page a sequence gets from the cache must hold the KV of exactly its prompt.
+- page accounting: free + evictable + held by live sequences = all pages, OutOfPages only when
+  the pool truly cannot supply, and an error leaves the whole state unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from test_cache_helpers import snapshot
+from xxhash import xxh3_64_intdigest
+
+from prefix_cache.cache import OutOfPages, PrefixCache
+from prefix_cache.events import AllBlocksCleared, BlockRemoved, BlockStored
+from prefix_cache.hashing import namespace_seed
+from prefix_cache.sequence import Sequence
+
+NAMESPACES = (None, "tenant", 3)
+VOCAB = 3  # few distinct tokens, so prompts share prefixes by chance too
+TOKENS = st.lists(st.integers(0, VOCAB - 1), min_size=0, max_size=12)
+
+
+@dataclass
+class Live:
+    seq: Sequence
+    namespace: object
+    pending: list[int]  # prompt tokens still to commit
+    tokens: list[int] = field(default_factory=list)  # committed tokens, as the engine knows them
+
+
+def as_container(tokens: list[int], kind: int):
+    """The same tokens in one of the input types the engine may use."""
+    if kind == 0:
+        return list(tokens)
+    if kind == 1:
+        return np.asarray(tokens, dtype=np.int32)
+    if kind == 2:
+        return np.asarray(tokens, dtype=np.int64)
+    if kind == 3:
+        return tuple(tokens)
+    return torch.tensor(tokens, dtype=torch.int64)
+
+
+class CacheMachine(RuleBasedStateMachine):
+    """Engine traffic with a good hash; ``WeakHashMachine`` reruns it with constant collisions."""
+
+    def hash_fn(self, data: bytes, parent: int) -> int:
+        return xxh3_64_intdigest(data, parent)
+
+    @initialize(
+        page_size=st.integers(1, 8),
+        tight=st.booleans(),
+        pool=st.integers(1, 24),
+        system=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=20),
+    )
+    def setup(self, page_size: int, tight: bool, pool: int, system: list[int]) -> None:
+        self.ps = page_size
+        self.num_pages = pool if tight else 4096
+        self.cache = PrefixCache(self.num_pages, page_size, hash_fn=self.hash_fn)
+        self.live: list[Live] = []
+        self.history: list[tuple[object, list[int]]] = []  # prompts and finished token streams
+        self.system = system
+        self.cached: dict[object, set[tuple[int, ...]]] = {ns: set() for ns in NAMESPACES}
+        self.key_to_prefix: dict[int, tuple[object, tuple[int, ...]]] = {}
+        self.kv: dict[int, list[object]] = {}
+
+    # ------------------------------------------------------------------ model helpers
+
+    def expected_match(self, tokens: list[int], namespace) -> int:
+        cached = self.cached[namespace]
+        pages = max(len(tokens) - 1, 0) // self.ps
+        k = 0
+        while k < pages and tuple(tokens[: (k + 1) * self.ps]) in cached:
+            k += 1
+        return k * self.ps
+
+    def held_prefixes(self) -> set[tuple[object, tuple[int, ...]]]:
+        """Prefixes the live sequences hold, read from what they committed (not from the tree)."""
+        held = set()
+        for live in self.live:
+            for k in range(1, len(live.seq._nodes) + 1):
+                held.add((live.namespace, tuple(live.tokens[: k * self.ps])))
+        return held
+
+    def committed_prefixes(self) -> set[tuple[object, tuple[int, ...]]]:
+        return {
+            (live.namespace, tuple(live.tokens[: k * self.ps]))
+            for live in self.live
+            for k in range(1, len(live.tokens) // self.ps + 1)
+        }
+
+    def apply_events(self) -> None:
+        committed = None
+        for event in self.cache.drain_events():
+            if isinstance(event, BlockStored):
+                committed = committed or self.committed_prefixes()
+                assert event.block_size == self.ps
+                assert len(event.token_ids) == len(event.block_hashes) * self.ps
+                ns = event.namespace
+                if event.parent_block_hash is None:
+                    prefix, parent = (), namespace_seed(ns)
+                else:
+                    parent_ns, prefix = self.key_to_prefix[event.parent_block_hash]
+                    assert parent_ns == ns
+                    parent = event.parent_block_hash
+                for i, key in enumerate(event.block_hashes):
+                    page = event.token_ids[i * self.ps : (i + 1) * self.ps]
+                    prefix = (*prefix, *page)
+                    assert key == self.hash_fn(np.asarray(page, dtype=np.int32).tobytes(), parent)
+                    assert key not in self.key_to_prefix
+                    # A cached block is always what a live sequence just committed.
+                    assert (ns, prefix) in committed
+                    assert prefix not in self.cached[ns]
+                    self.cached[ns].add(prefix)
+                    self.key_to_prefix[key] = (ns, prefix)
+                    parent = key
+            elif isinstance(event, BlockRemoved):
+                held = self.held_prefixes()
+                for key in event.block_hashes:
+                    ns, prefix = self.key_to_prefix.pop(key)
+                    assert (ns, prefix) not in held
+                    # Leaves first: nothing cached extends a removed prefix.
+                    assert not any(
+                        len(p) > len(prefix) and p[: len(prefix)] == prefix for p in self.cached[ns]
+                    )
+                    self.cached[ns].remove(prefix)
+            else:
+                assert isinstance(event, AllBlocksCleared)
+                assert not self.held_prefixes()
+                for prefixes in self.cached.values():
+                    prefixes.clear()
+                self.key_to_prefix.clear()
+
+    def write_kv(self, live: Live, tokens: list[int]) -> None:
+        """What the engine does before commit: write the KV of ``tokens`` into their slots."""
+        table = live.seq.block_table.tolist()
+        start = len(live.tokens)
+        stream = live.tokens + tokens
+        for pos in range(start, start + len(tokens)):
+            slots = self.kv.setdefault(table[pos // self.ps], [None] * self.ps)
+            slots[pos % self.ps] = (live.namespace, tuple(stream[: pos + 1]))
+
+    # ------------------------------------------------------------------ rules
+
+    def open_prompt(self, data, source: str, suffix: list[int], namespace, kind: int) -> Live:
+        """Open a prompt drawn from ``source`` and check its cached prefix against the models."""
+        if source in ("extend", "repeat") and self.history:
+            namespace, base = data.draw(st.sampled_from(self.history))
+            prompt = list(base) if source == "repeat" else base + suffix
+        elif source == "system":
+            prompt = self.system + suffix
+        else:
+            prompt = suffix
+        if not prompt:
+            prompt = [0]
+        expected = self.expected_match(prompt, namespace)
+        before = snapshot(self.cache)
+        assert self.cache.match(as_container(prompt, kind), namespace) == expected
+        assert snapshot(self.cache) == before
+        seq = self.cache.open(as_container(prompt, kind), namespace)
+        assert seq.num_cached_tokens == expected == seq.num_tokens == seq.num_allocated_tokens
+        table = seq.block_table.tolist()
+        for pos in range(expected):
+            assert self.kv[table[pos // self.ps]][pos % self.ps] == (namespace, tuple(prompt[: pos + 1]))
+        live = Live(seq, namespace, prompt[expected:], prompt[:expected])
+        self.live.append(live)
+        self.history.append((namespace, prompt))
+        return live
+
+    def try_allocate(self, live: Live, count: int) -> bool:
+        """Allocate, expecting OutOfPages exactly when the pool cannot supply (state unchanged)."""
+        seq, cache = live.seq, self.cache
+        needed = -(-(seq.num_allocated_tokens + count) // self.ps) - len(seq.block_table)
+        available = cache.num_free_pages + cache.num_evictable_pages
+        if needed > available:
+            before = snapshot(cache)
+            with pytest.raises(OutOfPages):
+                cache.allocate(seq, count)
+            assert snapshot(cache) == before
+            return False
+        free, evictable = cache.num_free_pages, cache.num_evictable_pages
+        allocated = seq.num_allocated_tokens
+        cache.allocate(seq, count)
+        assert seq.num_allocated_tokens == allocated + count
+        assert len(seq.block_table) == -(-seq.num_allocated_tokens // self.ps)
+        taken = max(needed, 0)
+        evicted = max(taken - free, 0)
+        assert cache.num_free_pages == free - taken + evicted
+        assert cache.num_evictable_pages == evictable - evicted
+        return True
+
+    def do_commit(self, live: Live, stream: list[int], kind: int) -> None:
+        self.write_kv(live, stream)
+        self.cache.commit(live.seq, as_container(stream, kind))
+        live.pending = live.pending[len(stream) :]
+        live.tokens += stream
+        assert live.seq.tokens.tolist() == live.tokens
+
+    # ------------------------------------------------------------------ rules
+
+    SOURCES = st.sampled_from(["fresh", "extend", "system", "repeat"])
+
+    @rule(
+        data=st.data(),
+        source=SOURCES,
+        suffix=TOKENS,
+        namespace=st.sampled_from(NAMESPACES),
+        kind=st.integers(0, 4),
+    )
+    def open(self, data, source: str, suffix: list[int], namespace, kind: int) -> None:
+        self.open_prompt(data, source, suffix, namespace, kind)
+
+    @rule(
+        data=st.data(),
+        source=SOURCES,
+        suffix=TOKENS,
+        namespace=st.sampled_from(NAMESPACES),
+        kind=st.integers(0, 4),
+    )
+    def admit(self, data, source: str, suffix: list[int], namespace, kind: int) -> None:
+        """The engine's admission: open, allocate the uncached prompt, commit it."""
+        live = self.open_prompt(data, source, suffix, namespace, kind)
+        if self.try_allocate(live, len(live.pending)) and live.pending:
+            self.do_commit(live, live.pending, kind)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), token=st.integers(0, VOCAB - 1), as_array=st.booleans())
+    def decode(self, data, token: int, as_array: bool) -> None:
+        """One decode step: a slot for one token, then its KV is written."""
+        live = data.draw(st.sampled_from(self.live))
+        if live.seq.num_allocated_tokens == live.seq.num_tokens and not self.try_allocate(live, 1):
+            return
+        stream = (live.pending or [token])[:1]
+        self.do_commit(live, stream, 1 if as_array else 0)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), extra=st.integers(0, 3))
+    def allocate(self, data, extra: int) -> None:
+        live = data.draw(st.sampled_from(self.live))
+        self.try_allocate(live, data.draw(st.integers(0, len(live.pending) + extra)))
+
+    @precondition(lambda self: any(live.seq.num_allocated_tokens > live.seq.num_tokens for live in self.live))
+    @rule(data=st.data(), kind=st.integers(0, 4), decoded=TOKENS)
+    def commit(self, data, kind: int, decoded: list[int]) -> None:
+        live = data.draw(
+            st.sampled_from([x for x in self.live if x.seq.num_allocated_tokens > x.seq.num_tokens])
+        )
+        room = live.seq.num_allocated_tokens - live.seq.num_tokens
+        count = data.draw(st.integers(1, room))
+        # The prompt first, then decoded tokens (parallel samples of one prompt diverge here).
+        self.do_commit(live, (live.pending + decoded + [0] * count)[:count], kind)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), over=st.integers(1, 3), kind=st.integers(0, 4))
+    def commit_too_much(self, data, over: int, kind: int) -> None:
+        live = data.draw(st.sampled_from(self.live))
+        room = live.seq.num_allocated_tokens - live.seq.num_tokens
+        before = snapshot(self.cache)
+        with pytest.raises(ValueError):
+            self.cache.commit(live.seq, as_container([1] * (room + over), kind))
+        assert snapshot(self.cache) == before
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def close(self, data) -> None:
+        live = data.draw(st.sampled_from(self.live))
+        self.live.remove(live)
+        self.cache.close(live.seq)
+        if live.tokens:
+            self.history.append((live.namespace, live.tokens))
+        before = snapshot(self.cache)
+        with pytest.raises(ValueError, match="closed"):
+            self.cache.close(live.seq)
+        with pytest.raises(ValueError, match="closed"):
+            self.cache.allocate(live.seq, 1)
+        assert snapshot(self.cache) == before
+
+    @rule(count=st.integers(0, 6))
+    def evict(self, count: int) -> None:
+        free, evictable = self.cache.num_free_pages, self.cache.num_evictable_pages
+        freed = self.cache.evict(count)
+        assert freed == min(count, evictable)
+        assert self.cache.num_free_pages == free + freed
+
+    @rule()
+    def reset(self) -> None:
+        self.cache.reset()
+        assert self.cache.num_evictable_pages == 0
+
+    @rule(prompt=TOKENS, namespace=st.sampled_from(NAMESPACES))
+    def match(self, prompt: list[int], namespace) -> None:
+        before = snapshot(self.cache)
+        assert self.cache.match(prompt, namespace) == self.expected_match(prompt, namespace)
+        assert snapshot(self.cache) == before
+
+    # ------------------------------------------------------------------ invariants
+
+    @invariant()
+    def consistent(self) -> None:
+        if not hasattr(self, "cache"):
+            return
+        cache = self.cache
+        cache.check_invariants()
+        self.apply_events()
+        tree_prefixes: dict[object, set[tuple[int, ...]]] = {ns: set() for ns in NAMESPACES}
+        for node in cache._tree.index.values():
+            tokens: list[int] = []
+            walk = node
+            while walk.parent is not None:
+                tokens[:0] = np.frombuffer(walk.tokens, dtype=np.int32).tolist()
+                walk = walk.parent
+            tree_prefixes[walk.namespace].add(tuple(tokens))
+        assert tree_prefixes == self.cached
+        held = {page for live in self.live for page in live.seq.block_table.tolist()}
+        assert cache.num_free_pages + cache.num_evictable_pages + len(held) == self.num_pages
+        for live in self.live:
+            assert live.seq.num_tokens == len(live.tokens)
+
+
+class WeakHashMachine(CacheMachine):
+    """The same traffic with a two-valued hash: most full pages collide, none may be served wrong."""
+
+    def hash_fn(self, data: bytes, parent: int) -> int:
+        return (data[0] + parent) & 1
+
+
+SETTINGS = settings(
+    max_examples=120,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+
+TestCacheMachine = CacheMachine.TestCase
+TestCacheMachine.settings = SETTINGS
+TestWeakHashMachine = WeakHashMachine.TestCase
+TestWeakHashMachine.settings = settings(SETTINGS, max_examples=60)

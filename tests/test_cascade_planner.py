@@ -1,0 +1,245 @@
+import time
+
+import numpy as np
+import pytest
+from cascade_batches import Batch, batches
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefix_cache.cascade import CascadePlan
+from prefix_cache.cascade_planner import CascadePlanner
+
+# Cost models that share anything (to exercise deep plans on small batches) and the default one.
+EAGER = [CascadePlanner(min_shared_tokens=1, min_saved_tokens=0, max_levels=m) for m in (1, 2, 3, 5)]
+planners = st.sampled_from([*EAGER, CascadePlanner()])
+
+
+def check_plan(plan: CascadePlan, batch: Batch) -> None:
+    """Every structural promise of a plan, against the batch it was made for."""
+    ps = batch.page_size
+    kv, qo = batch.kv_lens, batch.qo_lens
+    n = kv.shape[0]
+    assert plan.page_size == ps
+    assert plan.request_order.dtype == np.int32 and plan.request_inverse.dtype == np.int32
+    assert plan.query_order.dtype == np.int64
+    assert sorted(plan.request_order.tolist()) == list(range(n))
+    assert (plan.request_inverse[plan.request_order] == np.arange(n)).all()
+
+    # Queries: each request's contiguous in both orders; planned starts from the planned order.
+    engine_start = np.cumsum(qo) - qo
+    planned_start = np.cumsum(qo[plan.request_order]) - qo[plan.request_order]
+    total = int(qo.sum())
+    assert sorted(plan.query_order.tolist()) == list(range(total))
+    for p, r in enumerate(plan.request_order.tolist()):
+        got = plan.query_order[planned_start[p] : planned_start[p] + qo[r]]
+        assert (got == engine_start[r] + np.arange(qo[r])).all()
+    # Requests without queries come last.
+    assert (np.diff((qo[plan.request_order] == 0).astype(int)) >= 0).all()
+
+    assert plan.levels and plan.levels[-1].causal and not any(lv.causal for lv in plan.levels[:-1])
+    for level in plan.levels:
+        for a in (level.qo_indptr, level.kv_indptr, level.kv_indices, level.kv_last_page_len):
+            assert a.dtype == np.int32
+        groups = level.kv_last_page_len.shape[0]
+        assert level.qo_indptr.shape == level.kv_indptr.shape == (groups + 1,)
+        assert level.qo_indptr[0] == 0 and level.qo_indptr[-1] == total
+        assert level.kv_indptr[0] == 0 and level.kv_indptr[-1] == level.kv_indices.shape[0]
+        assert (np.diff(level.qo_indptr) >= 0).all() and (np.diff(level.kv_indptr) >= 0).all()
+        has_pages = np.diff(level.kv_indptr) > 0
+        assert (level.kv_last_page_len[~has_pages] == 0).all()
+        assert ((level.kv_last_page_len[has_pages] >= 1) & (level.kv_last_page_len[has_pages] <= ps)).all()
+        if not level.causal:
+            assert (level.kv_last_page_len[has_pages] == ps).all()
+
+    # KV: every request with queries reads each of its tokens exactly once, in order, shared levels
+    # only before its new tokens; a shared group's pages are the same slice of each member's table.
+    for p, r in enumerate(plan.request_order.tolist()):
+        table = batch.block_tables[r][: -(-kv[r] // ps)]
+        q0, q1 = planned_start[p], planned_start[p] + qo[r]
+        cursor = 0  # pages read so far
+        parent = None  # the query range of the group one level up, for nesting
+        for level in plan.levels:
+            if qo[r] == 0:
+                break
+            g = int(np.searchsorted(level.qo_indptr, q0, side="right")) - 1
+            g0, g1 = level.qo_indptr[g], level.qo_indptr[g + 1]
+            assert g0 <= q0 and q1 <= g1, "a request's queries are split between groups"
+            pages = level.kv_indices[level.kv_indptr[g] : level.kv_indptr[g + 1]]
+            if level.causal:
+                assert (pages == table[cursor:]).all() and pages.shape[0] == table.shape[0] - cursor
+                assert level.kv_last_page_len[g] == kv[r] - (table.shape[0] - 1) * ps
+                assert g1 - g0 == qo[r]
+            elif pages.shape[0]:
+                assert (pages == table[cursor : cursor + pages.shape[0]]).all()
+                cursor += pages.shape[0]
+                assert cursor * ps <= kv[r] - qo[r], "a shared segment reaches new tokens"
+                if parent is not None:
+                    assert parent[0] <= g0 and g1 <= parent[1], "groups do not nest"
+                parent = (g0, g1)
+        if qo[r] == 0:  # no queries, nothing to read
+            last = plan.levels[-1]
+            g = int(np.flatnonzero(plan.request_order == r)[0])
+            assert last.kv_indptr[g] == last.kv_indptr[g + 1]
+
+
+@settings(max_examples=300, deadline=None)
+@given(batch=batches(), planner=planners)
+def test_plan_is_well_formed(batch: Batch, planner: CascadePlanner) -> None:
+    plan = planner.plan(batch.block_tables, batch.kv_lens, batch.qo_lens, batch.page_size)
+    check_plan(plan, batch)
+    assert len(plan.levels) <= planner.max_levels
+
+
+@settings(max_examples=100, deadline=None)
+@given(batch=batches())
+def test_eager_planner_shares_every_shared_page(batch: Batch) -> None:
+    """With a free cost model and levels to spare, a page that two requests could share (a whole page
+    before the new tokens of both) is never read by their unique levels."""
+    plan = CascadePlanner(min_shared_tokens=1, min_saved_tokens=0, max_levels=10).plan(
+        batch.block_tables, batch.kv_lens, batch.qo_lens, batch.page_size
+    )
+    check_plan(plan, batch)
+    unique = plan.levels[-1]
+    shareable = [
+        set(table[: (kv - qo) // batch.page_size].tolist()) if qo else set()
+        for table, kv, qo in zip(batch.block_tables, batch.kv_lens, batch.qo_lens, strict=True)
+    ]
+    pages, counts = np.unique([p for s in shareable for p in s], return_counts=True)
+    multi = set(pages[counts > 1].tolist())
+    for r, p in enumerate(plan.request_inverse.tolist()):
+        read = set(unique.kv_indices[unique.kv_indptr[p] : unique.kv_indptr[p + 1]].tolist())
+        assert not read & shareable[r] & multi
+
+
+def decode_batch(groups: list[tuple[int, int]], unique_pages: int = 2, page_size: int = 16) -> Batch:
+    """Decode requests; each (shared pages, requests) tuple is a prefix shared by that many requests."""
+    tables, next_page = [], 0
+    for shared, count in groups:
+        prefix = list(range(next_page, next_page + shared))
+        next_page += shared
+        for _ in range(count):
+            tables.append(np.array(prefix + list(range(next_page, next_page + unique_pages)), dtype=np.int32))
+            next_page += unique_pages
+    kv = np.array([t.shape[0] * page_size - 3 for t in tables])
+    return Batch(tables, kv, np.ones(len(tables), dtype=np.int64), page_size, next_page)
+
+
+def plan_of(batch: Batch, planner: CascadePlanner | None = None) -> CascadePlan:
+    plan = (planner or CascadePlanner()).plan(
+        batch.block_tables, batch.kv_lens, batch.qo_lens, batch.page_size
+    )
+    check_plan(plan, batch)
+    return plan
+
+
+def test_cost_model_shares_long_prefixes_of_many_requests() -> None:
+    plan = plan_of(decode_batch([(64, 16)]))  # 1024 tokens x 16 requests
+    assert len(plan.levels) == 2
+    shared = plan.levels[0]
+    assert shared.qo_indptr.tolist() == [0, 16] and shared.kv_indices.tolist() == list(range(64))
+
+
+@pytest.mark.parametrize(
+    "groups",
+    [
+        [(1, 64)],  # 16 tokens shared by 64 requests: too short to be worth a launch
+        [(16, 2)],  # 256 tokens shared by 2 requests: saves 256 token reads, not enough
+        [(16, 4), (16, 4)],  # 256 tokens shared by 4, twice: still below the break-even
+    ],
+)
+def test_cost_model_folds_short_or_rarely_shared_prefixes(groups: list[tuple[int, int]]) -> None:
+    assert len(plan_of(decode_batch(groups)).levels) == 1
+
+
+def test_cost_model_break_even() -> None:
+    assert len(plan_of(decode_batch([(16, 8)])).levels) == 2  # 256 tokens x 8 requests
+    assert len(plan_of(decode_batch([(128, 2)])).levels) == 2  # 2048 tokens x 2 requests
+
+
+def test_nested_sharing_makes_nested_levels() -> None:
+    # A 512-token system prompt shared by 32 requests; 4 conversations of 1024 more tokens, 8 samples each.
+    tables, page = [], 1000
+    for c in range(4):
+        for _ in range(8):
+            tables.append(np.r_[np.arange(32), 100 + 64 * c + np.arange(64), np.arange(page, page + 3)])
+            page += 3
+    batch = Batch(tables, np.array([t.shape[0] * 16 for t in tables]), np.ones(32, dtype=np.int64), 16, page)
+    plan = plan_of(batch)
+    assert len(plan.levels) == 3
+    assert plan.levels[0].qo_indptr.tolist() == [0, 32]
+    assert plan.levels[1].qo_indptr.tolist() == [0, 8, 16, 24, 32]
+    assert np.diff(plan.levels[1].kv_indptr).tolist() == [64] * 4
+    # Two levels at most: the deeper nodes fold into the unique level.
+    assert len(plan_of(batch, CascadePlanner(max_levels=2)).levels) == 2
+    # A folded system prompt goes to each conversation's segment.
+    plan = plan_of(batch, CascadePlanner(min_shared_tokens=1024))
+    assert len(plan.levels) == 2 and np.diff(plan.levels[0].kv_indptr).tolist() == [96] * 4
+
+
+def test_shared_segment_stops_before_new_tokens() -> None:
+    # Two prefill chunks over the same 40 pages: one's queries start inside page 30.
+    tables = [np.arange(40, dtype=np.int32), np.r_[np.arange(40), np.arange(50, 60)].astype(np.int32)]
+    kv, qo = np.array([640, 800]), np.array([160, 5])
+    plan = CascadePlanner(min_shared_tokens=16, min_saved_tokens=0).plan(tables, kv, qo, 16)
+    check_plan(plan, Batch(tables, kv, qo, 16, 60))
+    assert plan.levels[0].kv_indices.tolist() == list(range(30))  # (640 - 160) // 16 whole pages
+
+
+def test_edge_cases() -> None:
+    empty = plan_of(Batch([], np.zeros(0, int), np.zeros(0, int), 16, 0))
+    assert (
+        len(empty.levels) == 1 and empty.num_query_tokens == 0 and empty.levels[0].qo_indptr.tolist() == [0]
+    )
+    single = plan_of(Batch([np.arange(10)], np.array([150]), np.array([1]), 16, 10))
+    assert len(single.levels) == 1 and single.levels[0].kv_indices.tolist() == list(range(10))
+    # kv_len 0 and qo_len 0 requests, identical tables.
+    same = [np.arange(40)] * 4
+    batch = Batch(
+        [*same, np.zeros(0, int)], np.array([640, 640, 640, 0, 0]), np.array([1, 1, 0, 0, 0]), 16, 40
+    )
+    plan = plan_of(batch, CascadePlanner(min_shared_tokens=16, min_saved_tokens=0))
+    assert plan.request_order.tolist()[:2] == [0, 1] and len(plan.levels) == 2
+    assert plan.levels[0].kv_indices.tolist() == list(range(39))
+
+
+@pytest.mark.parametrize(
+    ("tables", "kv", "qo", "page_size", "message"),
+    [
+        ([[0]], [1], [1], 0, "page_size"),
+        ([[0]], [1], [1], 16.0, "page_size"),
+        ([[0]], [-1], [0], 16, ">= 0"),
+        ([[0]], [1], [-1], 16, ">= 0"),
+        ([[0]], [1], [2], 16, "exceeds"),
+        ([[0]], [17], [1], 16, "needs 2"),
+        ([[0], [1]], [1], [1], 16, "one entry per request"),
+        ([[0]], [1, 1], [1, 1], 16, "one entry per request"),
+        ([[-1]], [1], [1], 16, "page ids"),
+    ],
+)
+def test_invalid_input(tables: list, kv: list, qo: list, page_size: int, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        CascadePlanner().plan(tables, kv, qo, page_size)
+
+
+def test_invalid_cost_model() -> None:
+    for bad in ({"min_shared_tokens": 0}, {"min_saved_tokens": -1}, {"max_levels": 0}):
+        with pytest.raises(ValueError):
+            CascadePlanner(**bad)
+
+
+def test_plans_a_large_batch_in_a_few_ms() -> None:
+    # 256 requests x 2000 pages of 16 tokens: a system prompt, 16 conversations of 16 samples.
+    tables = np.empty((256, 2000), dtype=np.int32)
+    tables[:, :1000] = np.arange(1000)
+    tables[:, 1000:1500] = 1000 + 500 * (np.arange(256)[:, None] // 16) + np.arange(500)
+    tables[:, 1500:] = 10_000 + 500 * np.arange(256)[:, None] + np.arange(500)
+    kv, qo = np.full(256, 2000 * 16 - 5), np.ones(256, dtype=np.int64)
+    planner = CascadePlanner()
+    planner.plan(tables, kv, qo, 16)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        plan = planner.plan(tables, kv, qo, 16)
+        best = min(best, time.perf_counter() - start)
+    assert len(plan.levels) == 3
+    assert best < 0.02, f"planning took {best * 1e3:.1f} ms"

