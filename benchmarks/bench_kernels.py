@@ -18,18 +18,21 @@ each suffix once) at the HBM bandwidth. Needs CUDA. Usage: ``python benchmarks/b
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+import triton.testing
+from prefix_cache.kernels.attention import launch_level
+from prefix_cache.kernels.merge_state import merge_states_varlen
 
 from prefix_cache.attention.triton_backend import TritonBackend
 from prefix_cache.cascade import CascadeLevel, CascadePlan
 
 HBM_BYTES_PER_S = 4.3e12  # H200, measured copy bandwidth (DESIGN.md section 4)
 NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE = 32, 8, 128, 16  # Llama-3-8B, one layer
+DEVICE = "cuda"
 
 
 @dataclass(frozen=True)
@@ -97,10 +100,10 @@ def _identity_plan(levels: tuple[CascadeLevel, ...], batch: int) -> CascadePlan:
 
 def _planner_class():
     """The project's ``CascadePlanner``, or None where it is not importable."""
-    for module in ("prefix_cache.cascade", "prefix_cache.cascade_planner"):
-        with contextlib.suppress(ImportError, AttributeError):
-            return importlib.import_module(module).CascadePlanner
-    return None
+    try:
+        return importlib.import_module("prefix_cache.cascade_planner").CascadePlanner
+    except (ImportError, AttributeError):
+        return None
 
 
 def cascade_plan(case: Case) -> tuple[CascadePlan, str]:
@@ -138,11 +141,11 @@ def _flashinfer_runner(plan: CascadePlan, dtype: torch.dtype, scale: float):
         import flashinfer
     except ImportError:
         return None
-    workspace = torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device="cuda")
+    workspace = torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device=DEVICE)
     wrapper = flashinfer.MultiLevelCascadeAttentionWrapper(len(plan.levels), workspace, "NHD")
     arrays = [
         [
-            torch.from_numpy(a).to("cuda")
+            torch.from_numpy(a).to(DEVICE)
             for a in (lv.qo_indptr, lv.kv_indptr, lv.kv_indices, lv.kv_last_page_len)
         ]
         for lv in plan.levels
@@ -153,7 +156,7 @@ def _flashinfer_runner(plan: CascadePlan, dtype: torch.dtype, scale: float):
         causal=True,  # the last level only; shared levels are never masked
         sm_scale=scale, q_data_type=dtype, kv_data_type=dtype,
     )  # fmt: skip
-    order = torch.from_numpy(plan.query_order).to("cuda")
+    order = torch.from_numpy(plan.query_order).to(DEVICE)
 
     def run(q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         return wrapper.run(q, kv_cache)
@@ -162,20 +165,18 @@ def _flashinfer_runner(plan: CascadePlan, dtype: torch.dtype, scale: float):
 
 
 def bench_case(case: Case, dtype: torch.dtype) -> list[dict]:
-    import triton.testing
-
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
     num_pages = case.groups * case.prefix // PAGE_SIZE + case.batch * -(-case.suffix // PAGE_SIZE)
     kv_cache = torch.randn(
-        num_pages, 2, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=gen, device="cuda", dtype=dtype
+        num_pages, 2, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM, generator=gen, device=DEVICE, dtype=dtype
     )
-    q = torch.randn(case.batch, NUM_QO_HEADS, HEAD_DIM, generator=gen, device="cuda", dtype=dtype)
+    q = torch.randn(case.batch, NUM_QO_HEADS, HEAD_DIM, generator=gen, device=DEVICE, dtype=dtype)
     scale = HEAD_DIM**-0.5
     heads = dict(num_qo_heads=NUM_QO_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, sm_scale=scale)
 
     plan, source = cascade_plan(case)
     flat = paged_plan(case)
-    cascade, paged = TritonBackend("cuda"), TritonBackend("cuda")
+    cascade, paged = TritonBackend(DEVICE), TritonBackend(DEVICE)
     cascade.plan(plan, **heads)
     paged.plan(flat, **heads)
     bound_bytes = kv_bytes(plan, dtype)
@@ -184,9 +185,10 @@ def bench_case(case: Case, dtype: torch.dtype) -> list[dict]:
           f"no-cascade KV {kv_bytes(flat, dtype) / 1e6:.1f} MB, bound {bound_ms:.4f} ms")  # fmt: skip
 
     reference = paged.run(q, kv_cache)
+    # (name, run, KV bytes it reads, whether it can be captured in a CUDA graph)
     runs = [
-        ("triton cascade", lambda: cascade.run(q, kv_cache), bound_bytes),
-        ("triton paged", lambda: paged.run(q, kv_cache), kv_bytes(flat, dtype)),
+        ("triton cascade", lambda: cascade.run(q, kv_cache), bound_bytes, True),
+        ("triton paged", lambda: paged.run(q, kv_cache), kv_bytes(flat, dtype), True),
     ]
     fi = _flashinfer_runner(plan, dtype, scale)
     if fi is None:
@@ -194,24 +196,73 @@ def bench_case(case: Case, dtype: torch.dtype) -> list[dict]:
     else:
         fi_run, order = fi
         q_planned = q.index_select(0, order)
-        runs.insert(1, ("flashinfer cascade", lambda: fi_run(q_planned, kv_cache), bound_bytes))
+        # The plain wrapper is not made for capture (that needs use_cuda_graph=True buffers).
+        runs.insert(1, ("flashinfer cascade", lambda: fi_run(q_planned, kv_cache), bound_bytes, False))
 
     rows = []
-    for name, fn, read_bytes in runs:
+    for name, fn, read_bytes, graphable in runs:
         out = fn()
         if name == "flashinfer cascade":
             out = torch.empty_like(out).index_copy_(0, order, out)
         err = (out.float() - reference.float()).abs().max().item()
         ms = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+        # Replaying a graph leaves out the host's launch overhead: device time only (L2 not flushed).
+        graph_ms = triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median") if graphable else None
         rows.append(
-            dict(case=case.name, method=name, ms=ms, read_gb=read_bytes / 1e9,
+            dict(case=case.name, method=name, ms=ms, graph_ms=graph_ms, read_gb=read_bytes / 1e9,
                  tbps=read_bytes / (ms * 1e-3) / 1e12, x_bound=ms / bound_ms, err=err)
         )  # fmt: skip
-        print(f"  {name:<20} {ms:8.4f} ms   max |out - triton paged| = {err:.2e}")
+        graph = f"{graph_ms:8.4f} ms in a graph" if graph_ms is not None else ""
+        print(f"  {name:<20} {ms:8.4f} ms  {graph}  max |out - triton paged| = {err:.2e}")
+    _print_breakdown(cascade, q, kv_cache)
     paged_ms = next(r["ms"] for r in rows if r["method"] == "triton paged")
     for r in rows:
         r["vs_paged"] = paged_ms / r["ms"]
     return rows
+
+
+def _print_breakdown(backend: TritonBackend, q: torch.Tensor, kv_cache: torch.Tensor) -> None:
+    """Time each launch of ``backend.run`` on its own: which level (or the merge) dominates."""
+    parts = []
+    # A one-level plan writes the output itself; elsewhere the levels write the partial rows.
+    out = torch.empty_like(q) if backend._direct else backend._part_o
+    for i, (sched, o_rows) in enumerate(zip(backend._levels, backend._o_rows, strict=True)):
+
+        def level(sched=sched, o_rows=o_rows, out=out):
+            launch_level(
+                sched, q, kv_cache, sm_scale=backend._sm_scale, q_rows=backend._query_order,
+                o_rows=o_rows, out=out, lse=backend._part_lse,
+            )  # fmt: skip
+
+        programs = sched.work.shape[0] * sched.num_kv_heads
+        splits = int(sched.splits.max(initial=0))
+        label = f"level {i} ({programs} programs, BLOCK_M {sched.block_m}, up to {splits} splits)"
+        parts.append((label, level))
+    if not backend._direct:
+        final = torch.empty_like(q)
+        parts.append(
+            ("merge", lambda: merge_states_varlen(
+                backend._part_o, backend._part_lse, backend._starts, backend._counts, final,
+                out_rows=backend._query_order,
+            ))
+        )  # fmt: skip
+    for label, fn in parts:
+        print(f"      {label:<60} {triton.testing.do_bench(fn, return_mode='median'):8.4f} ms")
+
+
+def _print_table(rows: list[dict]) -> None:
+    """The compact summary, one line per (case, method)."""
+    print(f"\n{'case':<40} {'method':<20} {'ms':>9} {'graph ms':>9} {'KV GB':>7} {'TB/s':>6} {'x bound':>8} "
+          f"{'vs paged':>9}")  # fmt: skip
+    for r in rows:
+        graph = f"{r['graph_ms']:9.4f}" if r["graph_ms"] is not None else f"{'-':>9}"
+        print(f"{r['case']:<40} {r['method']:<20} {r['ms']:9.4f} {graph} {r['read_gb']:7.3f} "
+              f"{r['tbps']:6.2f} {r['x_bound']:8.2f} {r['vs_paged']:8.2f}x")  # fmt: skip
+    print(
+        "ms: median, L2 flushed; graph ms: CUDA-graph replay (no launch overhead, L2 warm).\n"
+        "KV GB: KV the method reads (cascade: each prefix once); TB/s: that over the time (ms);\n"
+        "x bound: time / (cascade KV at the HBM bandwidth); vs paged: speed-up over triton paged."
+    )
 
 
 def main() -> None:
@@ -226,14 +277,7 @@ def main() -> None:
           f"D {HEAD_DIM}, page {PAGE_SIZE}; bound at {HBM_BYTES_PER_S / 1e12:.1f} TB/s")  # fmt: skip
     rows = [r for case in (QUICK_CASES if args.quick else FULL_CASES) for r in bench_case(case, dtype)]
 
-    print(f"\n{'case':<40} {'method':<20} {'ms':>9} {'KV GB':>7} {'TB/s':>6} {'x bound':>8} {'vs paged':>9}")
-    for r in rows:
-        print(f"{r['case']:<40} {r['method']:<20} {r['ms']:9.4f} {r['read_gb']:7.3f} {r['tbps']:6.2f} "
-              f"{r['x_bound']:8.2f} {r['vs_paged']:8.2f}x")  # fmt: skip
-    print(
-        "KV GB: KV the method reads (cascade: each prefix once); TB/s: that over the time;\n"
-        "x bound: time / (cascade KV at the HBM bandwidth); vs paged: speed-up over triton paged."
-    )
+    _print_table(rows)
 
 
 if __name__ == "__main__":

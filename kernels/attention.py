@@ -32,9 +32,8 @@ from prefix_cache.kernels.merge_state import merge_states_varlen
 _Q0, _Q1, _PAGE0, _KV0, _KV1, _SPLIT, _DIAG = range(7)
 _WORK_COLS = 7
 
-# Split-KV: aim for this many programs per SM, and never give a split fewer KV tokens than this
-# (below it, the partial rows and the merge cost more than the parallelism gains).
-_PROGRAMS_PER_SM = 2
+# Split-KV: never give a split fewer KV tokens than this (below it, the partial rows and the merge
+# cost more than the parallelism gains), nor a group more splits than _MAX_SPLITS.
 _MIN_SPLIT_TOKENS = 256
 _MAX_SPLITS = 64
 
@@ -68,6 +67,7 @@ def _level_attention_kernel(
     BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr,
     UPCAST: tl.constexpr,  # compute the dots in fp32 (interpreter, fp32 inputs)
+    # "ieee" for fp32 dots (no tf32 rounding); "tf32", Triton's default, has no effect on fp16/bf16.
     DOT_PRECISION: tl.constexpr,
 ):
     item = work_ptr + tl.program_id(0).to(tl.int64) * 7
@@ -213,6 +213,33 @@ def _split_length(kv_len: np.ndarray, splits: np.ndarray, multiple: int) -> np.n
     return np.maximum(-(-per // multiple) * multiple, multiple)
 
 
+def _auto_chunk(kv_len: np.ndarray, programs: np.ndarray, block_m: int, block_n: int, sms: int) -> int:
+    """KV tokens per split for a level whose group g runs ``programs[g]`` programs (M tiles x KV
+    heads) over ``kv_len[g]`` tokens. Splits only when the unsplit level leaves SMs idle.
+
+    Model: programs resident per SM by tile height (registers and shared memory of the sm_90 builds:
+    1 at 128 rows, 2 at 64, 4 below); a wave of resident programs takes as long as its longest
+    chunk. Among chunk lengths that cut the longest group into 1..64 equal parts, pick the fewest
+    waves x chunk, moving to more splits only for a clear gain.
+    """
+    slots = sms * (1 if block_m >= 128 else 2 if block_m >= 64 else 4)
+    unsplit = np.iinfo(np.int32).max
+    if int(programs.sum()) >= slots or kv_len.size == 0:
+        return unsplit
+    longest = int(kv_len.max())
+    best_cost, best_chunk = longest, unsplit  # one wave of the unsplit level
+    for parts in range(2, _MAX_SPLITS + 1):
+        chunk = cdiv(cdiv(longest, parts), block_n) * block_n
+        if chunk < _MIN_SPLIT_TOKENS:
+            break
+        total = int((programs * np.maximum(-(-kv_len // chunk), 1)).sum())
+        cost = cdiv(total, slots) * chunk
+        # More splits must win clearly: each also costs partial rows to write and merge.
+        if cost < 0.9 * best_cost:
+            best_cost, best_chunk = cost, chunk
+    return best_chunk
+
+
 def plan_level(
     qo_indptr: np.ndarray | torch.Tensor,
     kv_indptr: np.ndarray | torch.Tensor,
@@ -271,14 +298,7 @@ def plan_level(
 
     device = torch.device(device)
     if kv_chunk_size is None:
-        programs = int(m_tiles.sum()) * num_kv_heads
-        target = _PROGRAMS_PER_SM * num_sms(device)
-        if programs >= target:
-            chunk = np.iinfo(np.int32).max
-        else:
-            # Equal KV per program across the level: long groups get more splits than short ones.
-            tile_tokens = int((m_tiles * kv_len).sum()) * num_kv_heads
-            chunk = max(_MIN_SPLIT_TOKENS, cdiv(tile_tokens, target))
+        chunk = _auto_chunk(kv_len, m_tiles * num_kv_heads, block_m, block_n, num_sms(device))
     else:
         if kv_chunk_size <= 0:
             raise ValueError(f"kv_chunk_size must be positive, got {kv_chunk_size}")
@@ -294,8 +314,8 @@ def plan_level(
     g = np.repeat(np.arange(num_groups), items)
     local = np.arange(total) - np.repeat(np.cumsum(items) - items, items)
     # m-tiles innermost: the programs that read the same KV chunk run side by side and share it in L2.
-    s = local // np.maximum(m_tiles[g], 1)
-    m = local % np.maximum(m_tiles[g], 1)
+    s = local // m_tiles[g]
+    m = local % m_tiles[g]
     work = np.empty((total, _WORK_COLS), dtype=np.int64)
     work[:, _Q0] = qo[g] + m * tile_q
     work[:, _Q1] = np.minimum(qo[g] + (m + 1) * tile_q, qo[g + 1])

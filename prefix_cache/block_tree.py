@@ -10,18 +10,20 @@ A live sequence holds one reference on every node of its cached path, so a node'
 number of live sequences through it, and a node with ``ref == 0`` has only ``ref == 0``
 descendants: all unreferenced nodes can be evicted, deepest first.
 
-Eviction order is least recently released first, among unreferenced leaves. The candidates sit in
-a heap keyed by ``(tick, serial)``; ``tick`` is the time the node was last released, so when
-evicting a leaf turns its parent into a leaf, the parent enters the heap at the position of its own
-last use (never earlier than its child's), not at either end. Entries of nodes that were acquired
-again are left in the heap and skipped when popped (``Node.lru_serial`` says which entry is live);
-the heap is rebuilt when stale entries outnumber live ones, so every operation is O(log n)
-amortised and nothing ever scans the pool.
+Eviction order is least recently released first (by ``Node.tick``, stamped at release), among
+unreferenced leaves. A leaf that becomes a candidate when a sequence releases it has the newest
+tick, so those leaves sit in an ordered dict in tick order: O(1) to add, remove or pop the oldest.
+A parent that becomes a leaf because its last child was evicted keeps its own, older tick, so it
+goes into a small heap keyed by ``(tick, serial)`` rather than at either end of the dict; the
+next victim is the older of the two heads. Heap entries of parents that were acquired again are
+skipped when popped (``Node.lru_serial`` names the live entry) and dropped when they outnumber
+the live ones. Every operation is O(1) or O(log n) amortised; nothing ever scans the pool.
 """
 
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
 
 from prefix_cache.hashing import HashFn, Namespace, namespace_seed
 
@@ -39,7 +41,8 @@ class Node:
     tokens: the page's tokens as int32 bytes, compared on every hit.
     ref: live sequences holding this node (for a root: live sequences in its namespace).
     tick: when the node was last released, for LRU order.
-    lru_serial: serial of its live heap entry, -1 when it is not an eviction candidate.
+    lru_serial: where it waits as an eviction candidate: 0 in ``BlockTree.recent``, > 0 the serial
+        of its entry in ``BlockTree.older``, -1 not a candidate.
     """
 
     __slots__ = ("key", "lru_serial", "num_children", "page", "parent", "ref", "tick", "tokens")
@@ -68,8 +71,8 @@ class Root(Node):
 class BlockTree:
     """Cached pages of all namespaces, with reference counts and the LRU of evictable leaves.
 
-    The tree never allocates or frees pages itself: ``add_child`` takes a page the caller owns and
-    ``pop_lru`` hands the evicted node (and its page) back to the caller.
+    The tree never allocates or frees pages itself: ``extend`` takes pages the caller owns and
+    ``evict`` hands the evicted nodes (and their pages) back to the caller.
     """
 
     def __init__(self, hash_fn: HashFn) -> None:
@@ -85,8 +88,12 @@ class BlockTree:
         #: Nodes with ``ref == 0``: all of them can be evicted, leaves first.
         self.num_unreferenced = 0
         self.tick = 0
-        # Heap of (tick, serial, node); serials are unique, so nodes are never compared.
-        self.lru: list[tuple[int, int, Node]] = []
+        #: Candidates released by sequences, oldest tick first.
+        self.recent: OrderedDict[Node, None] = OrderedDict()
+        #: Heap of (tick, serial, node): parents that became leaves by eviction. Serials are
+        #: unique, so nodes are never compared.
+        self.older: list[tuple[int, int, Node]] = []
+        #: Eviction candidates: ``len(recent)`` plus the live entries of ``older``.
         self.num_lru = 0
         self._serial = 0
 
@@ -104,20 +111,19 @@ class BlockTree:
         A hash hit counts only if the node's stored tokens equal the page's tokens.
         """
         nodes: list[Node] = []
-        node: Node = root
+        append = nodes.append
         get = self.index.get
         hash_fn = self.hash_fn
-        start = 0
-        for _ in range(num_pages):
-            if not node.num_children:
-                break
+        node: Node = root
+        key = root.key
+        for start in range(0, num_pages * page_bytes, page_bytes):
             chunk = data[start : start + page_bytes]
-            child = get(hash_fn(chunk, node.key))
-            if child is None or child.parent is not node:
+            key = hash_fn(chunk, key)
+            child = get(key)
+            if child is None or child.parent is not node or child.tokens != chunk:
                 break
-            nodes.append(child)
+            append(child)
             node = child
-            start += page_bytes
         return nodes
 
     def acquire(self, nodes: list[Node]) -> None:
@@ -126,7 +132,9 @@ class BlockTree:
             if node.ref == 0:
                 self.num_unreferenced -= 1
                 if node.lru_serial >= 0:
-                    # Its heap entry goes stale and is skipped when popped.
+                    if node.lru_serial == 0:
+                        del self.recent[node]
+                    # else its heap entry goes stale and is skipped when popped.
                     node.lru_serial = -1
                     self.num_lru -= 1
             node.ref += 1
@@ -135,13 +143,22 @@ class BlockTree:
         """Drop one reference on each of ``nodes`` (a sequence's path), stamping them as used now."""
         self.tick += 1
         tick = self.tick
+        recent = self.recent
         for node in nodes:
             node.tick = tick
             node.ref -= 1
             if node.ref == 0:
                 self.num_unreferenced += 1
                 if not node.num_children:
-                    self._push(node)
+                    # The newest tick: its place is the young end of ``recent``.
+                    recent[node] = None
+                    node.lru_serial = 0
+                    self.num_lru += 1
+        older = self.older
+        if len(older) > 2 * (self.num_lru - len(recent)) + _HEAP_SLACK:
+            # Stale entries (of parents acquired again) outnumber live ones: drop them.
+            self.older = [entry for entry in older if entry[2].lru_serial == entry[1]]
+            heapq.heapify(self.older)
 
     def extend(self, parent: Node, key: int, data: bytes, page_bytes: int, pages: list[int]) -> list[Node]:
         """Cache ``pages`` as a chain of new nodes below ``parent``, each held once by the caller.
@@ -173,30 +190,49 @@ class BlockTree:
         self.version += 1
         return nodes
 
-    def pop_lru(self) -> Node | None:
-        """Remove the least recently released unreferenced leaf from the tree and return it, or
-        None when nothing is evictable. Its parent may become the next candidate."""
-        lru = self.lru
-        while lru:
-            _, serial, node = heapq.heappop(lru)
-            if node.lru_serial != serial:
-                continue
+    def evict(self, count: int) -> list[Node]:
+        """Remove up to ``count`` nodes from the tree, least recently released unreferenced leaf
+        first, and return them (their pages are the caller's again). Evicting a leaf can make its
+        parent a candidate, so a whole unreferenced path can go in one call."""
+        recent = self.recent
+        older = self.older
+        index = self.index
+        roots = self.roots
+        heappop = heapq.heappop
+        evicted: list[Node] = []
+        while len(evicted) < count:
+            while older and older[0][2].lru_serial != older[0][1]:
+                heappop(older)  # stale: the parent was acquired again after it was pushed
+            if recent:
+                node = next(iter(recent))
+                if older and older[0][0] < node.tick:
+                    node = heappop(older)[2]
+                else:
+                    del recent[node]
+            elif older:
+                node = heappop(older)[2]
+            else:
+                break
             node.lru_serial = -1
             self.num_lru -= 1
+            del index[node.key]
+            evicted.append(node)
             parent = node.parent
-            assert parent is not None
-            del self.index[node.key]
             parent.num_children -= 1
-            self.num_nodes -= 1
-            self.num_unreferenced -= 1
-            self.version += 1
             if parent.ref == 0 and not parent.num_children:
                 if isinstance(parent, Root):
-                    del self.roots[parent.namespace]
+                    del roots[parent.namespace]
                 else:
-                    self._push(parent)
-            return node
-        return None
+                    self._serial += 1
+                    parent.lru_serial = self._serial
+                    self.num_lru += 1
+                    heapq.heappush(older, (parent.tick, self._serial, parent))
+        removed = len(evicted)
+        self.num_nodes -= removed
+        self.num_unreferenced -= removed
+        if removed:
+            self.version += 1
+        return evicted
 
     def release_root(self, root: Root) -> None:
         """A sequence of ``root``'s namespace closed; forget the root once it is unused and empty,
@@ -204,13 +240,3 @@ class BlockTree:
         root.ref -= 1
         if root.ref == 0 and not root.num_children:
             del self.roots[root.namespace]
-
-    def _push(self, node: Node) -> None:
-        """Make ``node`` (unreferenced, a leaf) an eviction candidate."""
-        self._serial += 1
-        node.lru_serial = self._serial
-        self.num_lru += 1
-        heapq.heappush(self.lru, (node.tick, self._serial, node))
-        if len(self.lru) > 2 * self.num_lru + _HEAP_SLACK:
-            self.lru = [entry for entry in self.lru if entry[2].lru_serial == entry[1]]
-            heapq.heapify(self.lru)

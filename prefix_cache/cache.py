@@ -314,10 +314,10 @@ class PrefixCache:
     def reset(self) -> None:
         """Drop every cached page no live sequence holds. Emits ``AllBlocksCleared`` when the cache
         ends up empty, else ``BlockRemoved`` for the dropped pages."""
-        removed = self._evict_keys(self._tree.num_unreferenced)
+        removed = [node.key for node in self._evict_nodes(self._tree.num_unreferenced)]
         if not self._tree.num_lru:
             # Only stale entries can be left; drop them rather than skip them later.
-            self._tree.lru.clear()
+            self._tree.older.clear()
         if self._record_events:
             if self._tree.num_nodes == 0:
                 self._events.append(AllBlocksCleared())
@@ -373,13 +373,16 @@ class PrefixCache:
         """Slow path of ``allocate``: new pages so ``seq`` can hold ``end`` tokens."""
         page_size = self._page_size
         needed = -(-end // page_size) - seq._num_pages
-        free = len(self._pool.free)
-        if needed > free:
-            available = free + self._tree.num_unreferenced
+        free = self._pool.free
+        if needed > len(free):
+            available = len(free) + self._tree.num_unreferenced
             if needed > available:
                 raise OutOfPages(needed, available)
-            self._evict(needed - free)
-        seq._add_pages(self._pool.take(needed), page_size)
+            self._evict(needed - len(free))
+        if needed == 1:
+            seq._add_page(free.pop(), page_size)
+        else:
+            seq._add_pages(self._pool.take(needed), page_size)
         seq._num_allocated = end
 
     def _store_full_pages(self, seq: Sequence) -> None:
@@ -443,24 +446,20 @@ class PrefixCache:
     def _evict(self, num_pages: int) -> int:
         """Evict up to ``num_pages`` pages in LRU order, with one ``BlockRemoved`` event; returns
         the number evicted."""
-        removed = self._evict_keys(num_pages)
-        if removed and self._record_events:
-            self._events.append(BlockRemoved(removed))
-        return len(removed)
+        evicted = self._evict_nodes(num_pages)
+        if evicted and self._record_events:
+            self._events.append(BlockRemoved([node.key for node in evicted]))
+        return len(evicted)
 
-    def _evict_keys(self, num_pages: int) -> list[int]:
-        """Evict up to ``num_pages`` pages in LRU order (no event); returns the evicted keys."""
-        removed: list[int] = []
-        pop_lru = self._tree.pop_lru
-        put = self._pool.put
-        for _ in range(num_pages):
-            node = pop_lru()
-            if node is None:
-                break
-            put(node.page)
-            removed.append(node.key)
-        self._evicted_pages += len(removed)
-        return removed
+    def _evict_nodes(self, num_pages: int) -> list[Node]:
+        """Evict up to ``num_pages`` pages in LRU order (no event); returns the evicted nodes."""
+        evicted = self._tree.evict(num_pages)
+        if len(evicted) == 1:
+            self._pool.put(evicted[0].page)
+        else:
+            self._pool.put_many([node.page for node in evicted])
+        self._evicted_pages += len(evicted)
+        return evicted
 
     # ------------------------------------------------------------------ checking
 
@@ -594,8 +593,16 @@ class _Checker:
 
     def check_lru(self, nodes: list[Node]) -> None:
         tree = self.tree
-        live = {}
-        for tick, serial, node in tree.lru:
+        live: dict[int, Node] = {}
+        last_tick = -1
+        for node in tree.recent:
+            if node.lru_serial != 0:
+                self.fail(f"page {node.page} is in the recent LRU but marked {node.lru_serial}")
+            if node.tick < last_tick:
+                self.fail(f"page {node.page}: recent LRU out of tick order")
+            last_tick = node.tick
+            live[id(node)] = node
+        for tick, serial, node in tree.older:
             if node.lru_serial == serial:
                 if id(node) in live:
                     self.fail(f"page {node.page} has two live LRU entries")
@@ -608,8 +615,8 @@ class _Checker:
         if len(live) != tree.num_lru:
             self.fail(f"LRU counter {tree.num_lru}, {len(live)} live entries")
         if any(node.lru_serial >= 0 and id(node) not in live for node in nodes):
-            self.fail("a node claims an LRU entry that is not in the heap")
-        heap = tree.lru
+            self.fail("a node claims an LRU entry that does not exist")
+        heap = tree.older
         for index in range(1, len(heap)):
             if heap[(index - 1) // 2][:2] > heap[index][:2]:
                 self.fail("LRU heap order is broken")

@@ -5,6 +5,8 @@ batch, in *planned order* (requests permuted so that the queries of one group ar
 level is a list of groups; group g owns query tokens ``qo_indptr[g]:qo_indptr[g+1]`` (planned order)
 and KV pages ``kv_indices[kv_indptr[g]:kv_indptr[g+1]]``, whose last page holds
 ``kv_last_page_len[g]`` tokens (0 when the group has no KV at this level).
+
+``prefix_cache.cascade_planner.CascadePlanner`` makes these plans from a batch's page tables.
 """
 
 from __future__ import annotations

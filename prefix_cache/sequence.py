@@ -69,16 +69,29 @@ class Sequence:
         """Append page ids to the block table, doubling the buffers when they are full."""
         end = self._num_pages + len(pages)
         if end > len(self._pages):
-            size = max(end, 2 * len(self._pages))
-            grown_pages = np.empty(size, dtype=np.int32)
-            grown_pages[: self._num_pages] = self._pages[: self._num_pages]
-            self._pages = grown_pages
-            grown_tokens = np.empty(size * page_size, dtype=np.int32)
-            grown_tokens[: self._num_tokens] = self._tokens[: self._num_tokens]
-            self._tokens = grown_tokens
+            self._grow(end, page_size)
         self._pages[self._num_pages : end] = pages
         self._num_pages = end
         self._capacity = end * page_size
+
+    def _add_page(self, page: int, page_size: int) -> None:
+        """Append one page id (the decode path: a scalar store, no list)."""
+        end = self._num_pages
+        if end == len(self._pages):
+            self._grow(end + 1, page_size)
+        self._pages[end] = page
+        self._num_pages = end + 1
+        self._capacity += page_size
+
+    def _grow(self, num_pages: int, page_size: int) -> None:
+        """Reallocate the buffers for at least ``num_pages`` pages, at least doubling them."""
+        size = max(num_pages, 2 * len(self._pages))
+        grown_pages = np.empty(size, dtype=np.int32)
+        grown_pages[: self._num_pages] = self._pages[: self._num_pages]
+        self._pages = grown_pages
+        grown_tokens = np.empty(size * page_size, dtype=np.int32)
+        grown_tokens[: self._num_tokens] = self._tokens[: self._num_tokens]
+        self._tokens = grown_tokens
 
     @property
     def seq_id(self) -> int:

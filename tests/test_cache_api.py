@@ -284,6 +284,18 @@ def test_colliding_hash_never_serves_other_tokens() -> None:
     cache.check_invariants()
 
 
+def test_colliding_hash_keeps_namespaces_apart() -> None:
+    # The key is the first token alone: equal pages in two namespaces get equal keys.
+    cache = PrefixCache(num_pages=32, page_size=2, hash_fn=lambda data, parent: data[0])
+    run_prompt(cache, [1, 2, 9])
+    run_prompt(cache, [3, 4, 9], namespace="x")  # so namespace "x" has a cached page of its own
+    assert cache.match([3, 4, 9], namespace="x") == 2
+    assert cache.match([1, 2, 9], namespace="x") == 0
+    seq = run_prompt(cache, [1, 2, 9], namespace="x", close=False)
+    assert seq.num_cached_tokens == 0 and cache.stats.collision_pages == 1
+    assert cache.match([1, 2, 9]) == 2
+
+
 def test_weak_hash_keeps_prefixes_exact() -> None:
     # Two-valued keys: lots of collisions; every hit must still be the exact prefix.
     cache = PrefixCache(num_pages=256, page_size=1, hash_fn=lambda data, parent: (data[0] + parent) & 1)
@@ -336,6 +348,24 @@ def test_parent_of_evicted_leaf_keeps_its_own_last_use() -> None:
         cache.check_invariants()
     k1, k2 = chain_keys([1, 1, 2, 2], 2)
     assert order == [k2, chain_keys([5, 5], 2)[0], chain_keys([6, 6], 2)[0], k1]
+
+
+def test_stale_lru_entries_are_dropped() -> None:
+    # A parent that became a leaf by eviction waits in the heap; each reopen of it leaves a stale
+    # heap entry behind, and those must not pile up.
+    cache = PrefixCache(num_pages=8, page_size=2)
+    run_prompt(cache, [1, 2, 3, 4, 5])
+    tree = cache._tree
+    for _ in range(3000):
+        assert cache.evict(1) == 1  # the leaf goes, its parent enters the heap
+        cache.close(cache.open([1, 2, 3]))  # the parent is acquired (stale entry) and released
+        seq = cache.open([1, 2, 3, 4, 5])
+        cache.allocate(seq, 2)
+        cache.commit(seq, [3, 4])  # the leaf is cached again
+        cache.close(seq)
+    assert tree.num_lru == 1 and len(tree.older) < 1100
+    cache.check_invariants()
+    assert cache.evict(5) == 2
 
 
 def test_held_pages_are_never_evicted() -> None:
@@ -520,7 +550,7 @@ def corrupt_cases():
         seq._nodes[0].ref += 1
 
     def lost_lru_entry(cache, seq):
-        cache._tree.lru.clear()
+        cache._tree.recent.clear()
 
     def wrong_counter(cache, seq):
         cache._tree.num_unreferenced += 1

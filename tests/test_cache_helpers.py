@@ -20,7 +20,8 @@ def snapshot(cache: PrefixCache) -> tuple:
         for n in tree.index.values()
     )
     roots = sorted((repr(ns), r.ref, r.num_children) for ns, r in tree.roots.items())
-    heap = [(tick, serial, node.key) for tick, serial, node in tree.lru]
+    heap = [(tick, serial, node.key) for tick, serial, node in tree.older]
+    recent = [(node.key, node.tick) for node in tree.recent]
     seqs = sorted(
         (
             s._id,
@@ -37,7 +38,17 @@ def snapshot(cache: PrefixCache) -> tuple:
         for s in cache._live
     )
     counters = (tree.num_nodes, tree.num_unreferenced, tree.num_lru, tree.tick, tree.version)
-    return (list(cache._pool.free), nodes, roots, heap, seqs, counters, cache.stats, len(cache._events))
+    return (
+        list(cache._pool.free),
+        nodes,
+        roots,
+        recent,
+        heap,
+        seqs,
+        counters,
+        cache.stats,
+        len(cache._events),
+    )
 
 
 def chain_keys(tokens: Seq[int], page_size: int, namespace: Namespace = None) -> list[int]:

@@ -183,6 +183,39 @@ def test_level_attention_unpadded_head_dim_and_wide_group():
     _assert_close(out, lse, ref_out, ref_lse, ATOL[torch.float32])
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("kv_chunk_size", [None, 32])
+def test_level_attention_group_spanning_several_m_tiles(causal, kv_chunk_size):
+    """45 queries x 3 heads per KV head exceed one M tile: tiles of 21 tokens (63 of 64 rows used)."""
+    gen = torch.Generator().manual_seed(13)
+    groups = [(45, 70), (2, 9)]
+    kvp, idx, last = _pages_for([kv for _, kv in groups], 8, 12, gen)
+    qo = np.array([0, 45, 47], dtype=np.int32)
+    kv_cache = torch.randn(12, 2, 8, 2, 16, generator=gen)
+    q = torch.randn(47, 6, 16, generator=gen)
+    sched = plan_level(
+        qo, kvp, idx, last, causal=causal, page_size=8, num_qo_heads=6, num_kv_heads=2, head_dim=16,
+        device="cpu",
+    )  # fmt: skip
+    assert sched.tile_q * 3 < sched.block_m < 45 * 3
+    out, lse, _ = _run_level(q, kv_cache, (qo, kvp, idx, last), causal, 0.25, kv_chunk_size, torch.float32)
+    ref_out, ref_lse = _ref_level(q, kv_cache, qo, kvp, idx, last, causal, 0.25)
+    _assert_close(out, lse, ref_out, ref_lse, ATOL[torch.float32])
+
+
+def test_level_attention_automatic_split():
+    """A long decode group with few programs gets split by the planner's own choice."""
+    gen = torch.Generator().manual_seed(17)
+    kvp, idx, last = _pages_for([1100, 40], 16, 75, gen)
+    qo = np.array([0, 1, 3], dtype=np.int32)
+    kv_cache = torch.randn(75, 2, 16, 2, 16, generator=gen)
+    q = torch.randn(3, 8, 16, generator=gen)
+    out, lse, splits = _run_level(q, kv_cache, (qo, kvp, idx, last), True, 0.25, None, torch.float32)
+    assert splits[0] > 1 and splits[1] == 1
+    ref_out, ref_lse = _ref_level(q, kv_cache, qo, kvp, idx, last, True, 0.25)
+    _assert_close(out, lse, ref_out, ref_lse, ATOL[torch.float32])
+
+
 def test_plan_level_rejects_bad_input():
     ok = dict(causal=False, page_size=4, num_qo_heads=4, num_kv_heads=2, head_dim=16, device="cpu")
     qo, kvp, idx, last = np.array([0, 2]), np.array([0, 1]), np.array([3]), np.array([4])
@@ -370,6 +403,13 @@ def _ref_tree(q, kv_cache, seg_pages, segments, engine_off, sm_scale):
     return torch.cat(outs)
 
 
+def _poison_partials(backend: TritonBackend) -> None:
+    """NaN in the backend's partial-state buffer: a row the levels promise but do not write shows."""
+    if backend._part_o is not None:
+        backend._part_o.fill_(math.nan)
+        backend._part_lse.fill_(math.nan)
+
+
 @pytest.mark.parametrize("kv_chunk_size", [None, 16])
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_triton_backend_three_levels(kv_chunk_size, page_size):
@@ -382,6 +422,7 @@ def test_triton_backend_three_levels(kv_chunk_size, page_size):
     backend = TritonBackend(device=DEVICE, kv_chunk_size=kv_chunk_size)
     assert backend.name == "triton"
     backend.plan(plan, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d)
+    _poison_partials(backend)
     out = backend.run(q, kv_cache)
     ref = _ref_tree(q, kv_cache, seg_pages, segments, engine_off, d**-0.5)
     assert out.shape == q.shape and out.dtype == q.dtype
@@ -393,7 +434,8 @@ def test_triton_backend_three_levels(kv_chunk_size, page_size):
     torch.testing.assert_close(backend.run(q2, kv_cache).cpu().double(), ref2, atol=2e-5, rtol=2e-5)
 
 
-def test_triton_backend_single_level_writes_output_directly():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_backend_single_level_writes_output_directly(dtype):
     """One causal level without splits (plain paged attention) takes the path without a merge."""
     gen = torch.Generator().manual_seed(5)
     page_size, hq, hkv, d = 3, 6, 2, 16
@@ -408,16 +450,17 @@ def test_triton_backend_single_level_writes_output_directly():
         query_order=order,
         page_size=page_size,
     )
-    kv_cache = torch.randn(12, 2, page_size, hkv, d, generator=gen).to(DEVICE)
-    q = torch.randn(6, hq, d, generator=gen).to(DEVICE)
+    kv_cache = torch.randn(12, 2, page_size, hkv, d, generator=gen).to(dtype).to(DEVICE)
+    q = torch.randn(6, hq, d, generator=gen).to(dtype).to(DEVICE)
     backend = TritonBackend(device=DEVICE)
     backend.plan(plan, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, sm_scale=0.2)
     assert backend._direct
     out = backend.run(q, kv_cache)
+    assert out.dtype == dtype
     ref_planned, _ = _ref_level(q[order], kv_cache, qo, kvp, idx, last, True, 0.2)
     ref = torch.empty_like(ref_planned)
     ref[order] = ref_planned
-    torch.testing.assert_close(out.cpu().double(), ref, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(out.cpu().double(), ref, atol=ATOL[dtype], rtol=ATOL[dtype])
 
 
 def test_triton_backend_validates_inputs():
@@ -461,6 +504,7 @@ def test_triton_backend_on_planner_output():
     q = torch.randn(sum(q_lens), hq, d, generator=gen).to(DEVICE)
     backend = TritonBackend(device=DEVICE)
     backend.plan(plan, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d)
+    _poison_partials(backend)
     out = backend.run(q, kv_cache)
     offsets = np.concatenate([[0], np.cumsum(q_lens)])
     for r, table in enumerate(tables):

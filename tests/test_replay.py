@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 
 from prefix_cache.__main__ import main
-from prefix_cache.cache import PrefixCache
+from prefix_cache.cache import OutOfPages, PrefixCache
 from prefix_cache.replay.conversation import Conversation, Turn, cap_conversation, cap_reply
 from prefix_cache.replay.oracle import ROOT, UnlimitedPrefixIndex
 from prefix_cache.replay.sharegpt import iter_records, message_pairs
-from prefix_cache.replay.simulator import SchedulerConfig, replay
+from prefix_cache.replay.simulator import Replay, SchedulerConfig, replay
 from prefix_cache.replay.synthetic import SyntheticConfig, synthetic_conversations
+from prefix_cache.sequence import Sequence
 
 SMALL = SyntheticConfig(
     conversations=40,
@@ -129,10 +130,38 @@ def test_tight_pages_evict_and_leak_nothing():
 def test_requests_larger_than_the_pool_are_skipped_without_deadlock():
     conversations = synthetic_conversations(SMALL)
     # 12 pages hold 192 tokens: the system prompt fits, long conversations do not.
-    cache, res = replay(conversations, SchedulerConfig(num_pages=12, max_running=4, clients=3))
+    cache = PrefixCache(num_pages=12, page_size=16)
+    done = []
+    res = Replay(
+        cache, conversations, SchedulerConfig(num_pages=12, max_running=4, clients=3), done.append
+    ).run()
     assert res.skipped_requests > 0 and res.conversations_cut > 0
+    # The progress callback accounts for every request, run or given up.
+    assert sum(done) == sum(len(t.replies) for c in conversations for t in c.turns)
     assert res.conversations == SMALL.conversations
     assert res.cut_replies == 0
+    _check_no_leak(cache)
+
+
+class FlakyDecodeCache(PrefixCache):
+    """Refuses every 50th one-token allocation, as a pool that ran dry mid-decode would."""
+
+    calls = 0
+
+    def allocate(self, seq: Sequence, num_tokens: int) -> None:
+        if num_tokens == 1:
+            self.calls += 1
+            if self.calls % 50 == 0:
+                raise OutOfPages(1, 0)
+        super().allocate(seq, num_tokens)
+
+
+def test_replies_that_run_out_of_pages_are_cut_and_leak_nothing():
+    conversations = synthetic_conversations(SMALL)
+    cache = FlakyDecodeCache(num_pages=100_000, page_size=16)
+    _, res = replay(conversations, SchedulerConfig(num_pages=100_000, max_running=8, clients=6), cache=cache)
+    assert res.cut_replies > 0 and res.conversations_cut > 0
+    assert res.closed == res.requests
     _check_no_leak(cache)
 
 
@@ -174,6 +203,12 @@ def test_a_truncated_array_yields_its_complete_records(chunk_bytes):
     assert list(iter_records(io.BytesIO(data[: emoji + 2]), chunk_bytes)) == []
     assert list(iter_records(io.BytesIO(b""), chunk_bytes)) == []
     assert list(iter_records(io.BytesIO(b'{"not": "an array"}'), chunk_bytes)) == []
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 2, 1 << 20])
+def test_scalars_are_not_split_at_chunk_boundaries(chunk_bytes):
+    assert list(iter_records(io.BytesIO(b"[12345, 678]"), chunk_bytes)) == [12345, 678]
+    assert list(iter_records(io.BytesIO(b"[12345, 678"), chunk_bytes)) == [12345]  # 678 may be cut
 
 
 def test_message_pairs_rules():

