@@ -1,3 +1,30 @@
-"""prefix-cache: prefix KV-cache bookkeeping and cascade attention for LLM serving engines."""
+"""prefix-cache: prefix KV-cache bookkeeping and cascade attention for LLM serving engines.
 
+``PrefixCache`` keeps the pages of shared prompt prefixes and hands out page tables;
+``CascadePlanner`` turns a batch's page tables into shared-prefix levels. The attention backends that
+run such a plan live in ``prefix_cache.attention`` (``create_backend("torch" | "triton" |
+"flashinfer")``); they need torch, the bookkeeping here does not import it.
+"""
+
+from prefix_cache.cache import OutOfPages, PrefixCache, PrefixCacheError
+from prefix_cache.cascade import CascadeLevel, CascadePlan
+from prefix_cache.cascade_planner import CascadePlanner
+from prefix_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from prefix_cache.sequence import Sequence
+from prefix_cache.stats import CacheStats
+
+__all__ = [
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "CacheStats",
+    "CascadeLevel",
+    "CascadePlan",
+    "CascadePlanner",
+    "KVCacheEvent",
+    "OutOfPages",
+    "PrefixCache",
+    "PrefixCacheError",
+    "Sequence",
+]
 __version__ = "0.1.0"

@@ -75,6 +75,25 @@ def test_match_never_covers_last_token_and_changes_nothing() -> None:
     cache.check_invariants()
 
 
+def test_open_after_match_sees_changes_in_between() -> None:
+    # open may reuse the walk of the match just before it; any change in between must show.
+    cache = PrefixCache(num_pages=16, page_size=2)
+    prompt = np.array([1, 2, 3, 4, 5], dtype=np.int32)
+    run_prompt(cache, prompt)
+    assert cache.match(prompt) == 4
+    cache.evict(1)
+    assert cache.open(prompt).num_cached_tokens == 2
+    assert cache.match(prompt) == 2
+    prompt[0] = 9  # the engine reuses its buffer
+    assert cache.open(prompt).num_cached_tokens == 0
+    assert cache.match([1, 2, 3, 4, 5]) == 2
+    run_prompt(cache, [1, 2, 3, 4, 5])  # caches the second page again
+    assert cache.open([1, 2, 3, 4, 5]).num_cached_tokens == 4
+    assert cache.match([1, 2, 3, 4, 5], namespace="n") == 0
+    assert cache.open([1, 2, 3, 4, 5], namespace="n").num_cached_tokens == 0
+    cache.check_invariants()
+
+
 @pytest.mark.parametrize(
     "make",
     [

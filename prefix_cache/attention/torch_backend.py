@@ -22,7 +22,11 @@ class TorchBackend(AttentionBackend):
 
     name = "torch"
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        """device: where ``plan`` puts the plan's index tensors (those of q at ``run``); None keeps them
+        on the CPU and moves them at every ``run``."""
+        self._device = torch.device("cpu" if device is None else device)
+        self._query_order = torch.zeros(0, dtype=torch.int64)
         self._plan: CascadePlan | None = None
         self._num_qo_heads = self._num_kv_heads = self._head_dim = 0
         self._sm_scale = 1.0
@@ -38,6 +42,7 @@ class TorchBackend(AttentionBackend):
     ) -> None:
         self._sm_scale = check_plan_args(num_qo_heads, num_kv_heads, head_dim, sm_scale)
         self._plan = plan
+        self._query_order = torch.from_numpy(plan.query_order).to(self._device)
         self._num_qo_heads, self._num_kv_heads, self._head_dim = num_qo_heads, num_kv_heads, head_dim
 
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -49,7 +54,7 @@ class TorchBackend(AttentionBackend):
             num_kv_heads=self._num_kv_heads,
             head_dim=self._head_dim,
         )
-        query_order = torch.from_numpy(plan.query_order).to(q.device)
+        query_order = self._query_order.to(q.device)
         q_planned = to_planned_order(q, query_order).float()
         states = [self._attend_level(level, q_planned, kv_cache) for level in plan.levels]
         out, _ = merge_states([o for o, _ in states], [s for _, s in states])
