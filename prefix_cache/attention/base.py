@@ -20,13 +20,18 @@ class AttentionBackend(ABC):
     """Computes attention for a batch described by a ``CascadePlan``.
 
     Usage per engine step: ``backend.plan(plan, ...)`` once (host-side work, uploads of the plan's
-    index arrays), then ``backend.run(q, kv_cache)`` for every layer.
+    index arrays), then ``backend.run(q, kv_cache)`` for every layer. This class checks the arguments
+    and keeps the planned shapes; a backend implements ``_prepare`` and ``_run``.
     """
 
     #: The name ``create_backend`` knows this backend by.
     name: str
 
-    @abstractmethod
+    def __init__(self) -> None:
+        self._plan: CascadePlan | None = None
+        self.num_qo_heads = self.num_kv_heads = self.head_dim = 0
+        self.sm_scale = 1.0
+
     def plan(
         self,
         plan: CascadePlan,
@@ -37,9 +42,14 @@ class AttentionBackend(ABC):
         sm_scale: float | None = None,
     ) -> None:
         """Prepare to run ``plan``. ``num_qo_heads`` must be a multiple of ``num_kv_heads`` (GQA);
-        ``sm_scale`` defaults to ``head_dim ** -0.5``."""
+        ``sm_scale`` defaults to ``head_dim ** -0.5``. If this raises, the backend holds no plan."""
+        scale = check_plan_args(num_qo_heads, num_kv_heads, head_dim, sm_scale)
+        self._plan = None
+        self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
+        self.sm_scale = scale
+        self._prepare(plan)
+        self._plan = plan
 
-    @abstractmethod
     def run(self, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         """Attention of the planned batch for one layer.
 
@@ -48,6 +58,23 @@ class AttentionBackend(ABC):
         kv_cache: [num_pages, 2, page_size, num_kv_heads, head_dim] (K at index 0, V at 1; NHD), same dtype.
         Returns [num_query_tokens, num_qo_heads, head_dim] in q's dtype and order.
         """
+        plan = check_run_args(
+            self._plan,
+            q,
+            kv_cache,
+            num_qo_heads=self.num_qo_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+        )
+        return self._run(plan, q, kv_cache)
+
+    @abstractmethod
+    def _prepare(self, plan: CascadePlan) -> None:
+        """The backend's host-side work for ``plan``; the head counts and ``sm_scale`` are set."""
+
+    @abstractmethod
+    def _run(self, plan: CascadePlan, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+        """``run`` on arguments already checked against ``plan``."""
 
 
 def check_plan_args(num_qo_heads: int, num_kv_heads: int, head_dim: int, sm_scale: float | None) -> float:

@@ -20,13 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from prefix_cache.attention.base import (
-    AttentionBackend,
-    check_plan_args,
-    check_run_args,
-    to_engine_order,
-    to_planned_order,
-)
+from prefix_cache.attention.base import AttentionBackend, to_engine_order, to_planned_order
 from prefix_cache.cascade import CascadeLevel, CascadePlan
 
 _FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
@@ -95,6 +89,7 @@ class FlashInferBackend(AttentionBackend):
             ) from error
         if not torch.cuda.is_available():
             raise RuntimeError("the 'flashinfer' attention backend needs a CUDA device")
+        super().__init__()
         self._flashinfer = flashinfer
         self._device = torch.device(device)
         if self._device.type == "cuda" and self._device.index is None:
@@ -104,47 +99,25 @@ class FlashInferBackend(AttentionBackend):
         # FlashInfer wrappers own pinned and device buffers: made once, re-planned every step.
         self._prefill_wrappers: list = []
         self._cascade_wrappers: dict[int, object] = {}
-        self._plan: CascadePlan | None = None
         self._levels: list[CompactLevel] = []
         self._rows: list[torch.Tensor | None] = []
         self._query_order = torch.zeros(0, dtype=torch.int64)
-        self._num_qo_heads = self._num_kv_heads = self._head_dim = 0
-        self._sm_scale = 1.0
         self._planned_dtype: torch.dtype | None = None
 
-    def plan(
-        self,
-        plan: CascadePlan,
-        *,
-        num_qo_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        sm_scale: float | None = None,
-    ) -> None:
-        self._sm_scale = check_plan_args(num_qo_heads, num_kv_heads, head_dim, sm_scale)
+    def _prepare(self, plan: CascadePlan) -> None:
         levels = [compact_level(level) for level in plan.levels]
         # The merge starts from the last level's state, which must hold every query row.
         if plan.num_query_tokens and levels[-1].rows is not None:
             raise ValueError("the last level of the plan must give every query some KV")
-        self._plan = plan
         self._levels = [level for level in levels if level.num_groups]
         self._rows = [
             None if level.rows is None else torch.from_numpy(level.rows).to(self._device)
             for level in self._levels
         ]
         self._query_order = torch.from_numpy(plan.query_order).to(self._device)
-        self._num_qo_heads, self._num_kv_heads, self._head_dim = num_qo_heads, num_kv_heads, head_dim
         self._planned_dtype = None
 
-    def run(self, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
-        plan = check_run_args(
-            self._plan,
-            q,
-            kv_cache,
-            num_qo_heads=self._num_qo_heads,
-            num_kv_heads=self._num_kv_heads,
-            head_dim=self._head_dim,
-        )
+    def _run(self, plan: CascadePlan, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         if q.dtype not in _FLASHINFER_DTYPES:
             raise ValueError(f"the 'flashinfer' attention backend takes fp16 or bf16, got {q.dtype}")
         if q.device != self._device:
@@ -170,7 +143,7 @@ class FlashInferBackend(AttentionBackend):
         )
 
     def _plan_flashinfer(self, dtype: torch.dtype, page_size: int) -> None:
-        heads = (self._num_qo_heads, self._num_kv_heads, self._head_dim, page_size)
+        heads = (self.num_qo_heads, self.num_kv_heads, self.head_dim, page_size)
         # Host-side index arrays: FlashInfer reads the indptrs on the host to schedule, then copies.
         arrays = [
             [torch.from_numpy(a) for a in (lv.qo_indptr, lv.kv_indptr, lv.kv_indices, lv.kv_last_page_len)]
@@ -187,7 +160,7 @@ class FlashInferBackend(AttentionBackend):
                 *[list(column) for column in zip(*arrays, strict=True)],
                 *heads,
                 causal=True,  # applied to the last level only
-                sm_scale=self._sm_scale,
+                sm_scale=self.sm_scale,
                 q_data_type=dtype,
                 kv_data_type=dtype,
             )
@@ -203,7 +176,7 @@ class FlashInferBackend(AttentionBackend):
                     *level_arrays,
                     *heads,
                     causal=level.causal,
-                    sm_scale=self._sm_scale,
+                    sm_scale=self.sm_scale,
                     q_data_type=dtype,
                     kv_data_type=dtype,
                 )

@@ -5,13 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from prefix_cache.attention.base import (
-    AttentionBackend,
-    check_plan_args,
-    check_run_args,
-    to_engine_order,
-    to_planned_order,
-)
+from prefix_cache.attention.base import AttentionBackend, to_engine_order, to_planned_order
 from prefix_cache.attention.merge import merge_states
 from prefix_cache.cascade import CascadeLevel, CascadePlan
 
@@ -25,35 +19,14 @@ class TorchBackend(AttentionBackend):
     def __init__(self, device: torch.device | str | None = None) -> None:
         """device: where ``plan`` puts the plan's index tensors (those of q at ``run``); None keeps them
         on the CPU and moves them at every ``run``."""
+        super().__init__()
         self._device = torch.device("cpu" if device is None else device)
         self._query_order = torch.zeros(0, dtype=torch.int64)
-        self._plan: CascadePlan | None = None
-        self._num_qo_heads = self._num_kv_heads = self._head_dim = 0
-        self._sm_scale = 1.0
 
-    def plan(
-        self,
-        plan: CascadePlan,
-        *,
-        num_qo_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        sm_scale: float | None = None,
-    ) -> None:
-        self._sm_scale = check_plan_args(num_qo_heads, num_kv_heads, head_dim, sm_scale)
-        self._plan = plan
+    def _prepare(self, plan: CascadePlan) -> None:
         self._query_order = torch.from_numpy(plan.query_order).to(self._device)
-        self._num_qo_heads, self._num_kv_heads, self._head_dim = num_qo_heads, num_kv_heads, head_dim
 
-    def run(self, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
-        plan = check_run_args(
-            self._plan,
-            q,
-            kv_cache,
-            num_qo_heads=self._num_qo_heads,
-            num_kv_heads=self._num_kv_heads,
-            head_dim=self._head_dim,
-        )
+    def _run(self, plan: CascadePlan, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         query_order = self._query_order.to(q.device)
         q_planned = to_planned_order(q, query_order).float()
         states = [self._attend_level(level, q_planned, kv_cache) for level in plan.levels]
@@ -90,7 +63,7 @@ class TorchBackend(AttentionBackend):
         num_q, num_qo_heads, head_dim = q.shape
         num_k, num_kv_heads, _ = k.shape
         grouped = q.view(num_q, num_kv_heads, num_qo_heads // num_kv_heads, head_dim)
-        scores = torch.einsum("qhgd,khd->hgqk", grouped, k) * self._sm_scale
+        scores = torch.einsum("qhgd,khd->hgqk", grouped, k) * self.sm_scale
         if causal:
             rows = torch.arange(num_q, device=q.device).unsqueeze(1)
             cols = torch.arange(num_k, device=q.device).unsqueeze(0)

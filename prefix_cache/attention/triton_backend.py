@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from prefix_cache.attention.base import AttentionBackend, check_plan_args, check_run_args
+from prefix_cache.attention.base import AttentionBackend
 from prefix_cache.cascade import CascadePlan
 from prefix_cache.kernels.attention import LevelSchedule, launch_level, plan_level
 from prefix_cache.kernels.merge_state import merge_states_varlen
@@ -29,6 +29,7 @@ class TritonBackend(AttentionBackend):
     name = "triton"
 
     def __init__(self, device: torch.device | str | None = None, *, kv_chunk_size: int | None = None):
+        super().__init__()
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
@@ -36,9 +37,6 @@ class TritonBackend(AttentionBackend):
             # Tensors report their index ("cuda:0"); compare against the same spelling.
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.kv_chunk_size = kv_chunk_size
-        self._plan: CascadePlan | None = None
-        self._heads = {"num_qo_heads": 0, "num_kv_heads": 0, "head_dim": 0}
-        self._sm_scale = 1.0
         self._query_order = torch.zeros(0, dtype=torch.int64)
         self._direct = False
         self._levels: list[LevelSchedule] = []
@@ -48,16 +46,8 @@ class TritonBackend(AttentionBackend):
         self._starts: torch.Tensor | None = None
         self._counts: torch.Tensor | None = None
 
-    def plan(
-        self,
-        plan: CascadePlan,
-        *,
-        num_qo_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        sm_scale: float | None = None,
-    ) -> None:
-        scale = check_plan_args(num_qo_heads, num_kv_heads, head_dim, sm_scale)
+    def _prepare(self, plan: CascadePlan) -> None:
+        num_qo_heads, num_kv_heads, head_dim = self.num_qo_heads, self.num_kv_heads, self.head_dim
         if not plan.levels:
             raise ValueError("a cascade plan needs at least one level")
         nq = plan.num_query_tokens
@@ -77,9 +67,7 @@ class TritonBackend(AttentionBackend):
         if order.shape != (nq,) or (nq and not np.array_equal(np.sort(order), np.arange(nq))):
             raise ValueError("plan.query_order must be a permutation of the query tokens")
 
-        self._plan, self._levels = plan, levels
-        self._heads = {"num_qo_heads": num_qo_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
-        self._sm_scale = scale
+        self._levels = levels
         self._query_order = torch.from_numpy(order).to(self.device)
         rows_per_token = np.sum([s.splits for s in levels], axis=0, dtype=np.int64)
         self._direct = len(levels) == 1 and bool((rows_per_token == 1).all())
@@ -102,8 +90,7 @@ class TritonBackend(AttentionBackend):
         )
         self._part_lse = torch.empty((num_rows, num_qo_heads), dtype=torch.float32, device=self.device)
 
-    def run(self, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
-        plan = check_run_args(self._plan, q, kv_cache, **self._heads)
+    def _run(self, plan: CascadePlan, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         if q.device != self.device:
             raise ValueError(f"q and kv_cache must be on {self.device} (the plan's device), got {q.device}")
         nq = plan.num_query_tokens
@@ -113,7 +100,7 @@ class TritonBackend(AttentionBackend):
         part_o = out if self._direct else self._part_o
         for sched, o_rows in zip(self._levels, self._o_rows, strict=True):
             launch_level(
-                sched, q, kv_cache, sm_scale=self._sm_scale, q_rows=self._query_order,
+                sched, q, kv_cache, sm_scale=self.sm_scale, q_rows=self._query_order,
                 o_rows=o_rows, out=part_o, lse=self._part_lse,
             )  # fmt: skip
         if not self._direct:
