@@ -128,7 +128,7 @@ def _run_level(q, kv_cache, arrays, causal, sm_scale, kv_chunk_size, out_dtype):
 # Level attention
 
 
-@pytest.mark.parametrize("page_size", [1, 3, 16])
+@pytest.mark.parametrize("page_size", [1, 3, 16, 128])
 @pytest.mark.parametrize(("num_qo_heads", "num_kv_heads"), [(2, 2), (6, 2), (4, 1)])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("kv_chunk_size", [None, 16])
@@ -305,7 +305,7 @@ def test_merge_states_varlen_scatters_and_handles_zero_counts():
 # KV append
 
 
-@pytest.mark.parametrize("page_size", [1, 3, 16])
+@pytest.mark.parametrize("page_size", [1, 3, 16, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_append_kv_writes_slots_and_skips_minus_one(page_size, dtype):
     gen = torch.Generator().manual_seed(page_size)
