@@ -1,10 +1,17 @@
-"""The block tree: cached full pages keyed by chained hash, reference counts and LRU eviction.
+"""The block tree: cached full pages, reference counts and LRU eviction.
 
 Each namespace has a root; a node is one cached full page whose parent is the page before it in
-the prompt. Since a key already chains in its parent's key, one dict maps every key of every
-namespace to its node; a lookup counts as a hit only if the node's parent is the expected one
-(which keeps namespaces apart) and its stored tokens equal the page's. A second block with a taken
-key is simply not cached.
+the prompt. A prompt is matched by walking down from its namespace's root, comparing each page's
+token bytes with the stored ones: a hit is always the exact tokens after the exact parent, and a
+namespace only ever reaches its own root's pages. No block hash is computed on the walk. Most
+nodes have one child (a conversation grows page by page), so that child is kept in ``Node.child``
+and costs one bytes comparison; a node with several children keeps them in a dict keyed by their
+token bytes (the dict's hash finds the candidate, its equality test confirms it). Either way a
+page costs about two memory accesses (the node and its tokens), which is what the walk is bound by.
+
+Every node also has a key, the chained block hash of ``prefix_cache.hashing``: the identity that
+events publish. ``BlockTree.index`` maps each key to its node so keys stay unique; a second block
+whose key is taken (a hash collision) is simply not cached.
 
 A live sequence holds one reference on every node of its cached path, so a node's ``ref`` is the
 number of live sequences through it, and a node with ``ref == 0`` has only ``ref == 0``
@@ -18,6 +25,7 @@ goes into a small heap keyed by ``(tick, serial)`` rather than at either end of 
 next victim is the older of the two heads. Heap entries of parents that were acquired again are
 skipped when popped (``Node.lru_serial`` names the live entry) and dropped when they outnumber
 the live ones. Every operation is O(1) or O(log n) amortised; nothing ever scans the pool.
+Only leaves are candidates, so on a cached path only the last node can be one.
 """
 
 from __future__ import annotations
@@ -36,26 +44,41 @@ class Node:
 
     key: chained hash of the page (the namespace seed for a root).
     parent: the node of the previous page, None for a root.
-    num_children: cached nodes whose parent this is.
+    child: the only cached node whose parent this is, when there is exactly one; else None.
+    children: when there are two or more such nodes, they by their ``tokens``; else None.
     page: page id in the KV pool, -1 for a root.
-    tokens: the page's tokens as int32 bytes, compared on every hit.
+    tokens: the page's tokens as int32 bytes.
     ref: live sequences holding this node (for a root: live sequences in its namespace).
     tick: when the node was last released, for LRU order.
     lru_serial: where it waits as an eviction candidate: 0 in ``BlockTree.recent``, > 0 the serial
         of its entry in ``BlockTree.older``, -1 not a candidate.
     """
 
-    __slots__ = ("key", "lru_serial", "num_children", "page", "parent", "ref", "tick", "tokens")
+    __slots__ = ("child", "children", "key", "lru_serial", "page", "parent", "ref", "tick", "tokens")
 
     def __init__(self, key: int, parent: Node | None, page: int, tokens: bytes) -> None:
         self.key = key
         self.parent = parent
-        self.num_children = 0
+        self.child: Node | None = None
+        self.children: dict[bytes, Node] | None = None
         self.page = page
         self.tokens = tokens
-        self.ref = 0
+        # A page is cached by the sequence that computed it, which holds it.
+        self.ref = 1
         self.tick = 0
         self.lru_serial = -1
+
+    @property
+    def is_leaf(self) -> bool:
+        """No cached node has this one as its parent (hot paths test the two slots inline)."""
+        return self.child is None and self.children is None
+
+    def child_with(self, tokens: bytes) -> Node | None:
+        """The child whose page holds ``tokens``, if cached."""
+        child = self.child
+        if child is not None:
+            return child if child.tokens == tokens else None
+        return None if self.children is None else self.children.get(tokens)
 
 
 class Root(Node):
@@ -65,6 +88,7 @@ class Root(Node):
 
     def __init__(self, namespace: Namespace) -> None:
         super().__init__(namespace_seed(namespace), None, -1, b"")
+        self.ref = 0
         self.namespace = namespace
 
 
@@ -108,22 +132,59 @@ class BlockTree:
         """The nodes of the longest cached prefix of ``data``, at most ``num_pages`` pages.
 
         data: the prompt's int32 token bytes, at least ``num_pages * page_bytes`` long.
-        A hash hit counts only if the node's stored tokens equal the page's tokens.
         """
         nodes: list[Node] = []
         append = nodes.append
-        get = self.index.get
-        hash_fn = self.hash_fn
         node: Node = root
-        key = root.key
         for start in range(0, num_pages * page_bytes, page_bytes):
             chunk = data[start : start + page_bytes]
-            key = hash_fn(chunk, key)
-            child = get(key)
-            if child is None or child.parent is not node or child.tokens != chunk:
+            child = node.child
+            if child is None:
+                if node.children is None:
+                    break
+                child = node.children.get(chunk)
+                if child is None:
+                    break
+            elif child.tokens != chunk:
                 break
             append(child)
             node = child
+        return nodes
+
+    def lock(self, root: Root, data: bytes, num_pages: int, page_bytes: int, table: memoryview) -> list[Node]:
+        """``match`` and ``acquire`` in one pass: the nodes of the longest cached prefix of
+        ``data`` (at most ``num_pages`` pages), each with one more reference; their page ids are
+        written to ``table[0 : len(nodes)]`` (a sequence's block table)."""
+        nodes: list[Node] = []
+        append = nodes.append
+        node: Node = root
+        newly_referenced = 0
+        # The walk of ``match``, with the reference counting of ``acquire`` and the block table
+        # done while each node is in cache: the walk is bound by memory accesses, not by work.
+        for i, start in enumerate(range(0, num_pages * page_bytes, page_bytes)):
+            chunk = data[start : start + page_bytes]
+            child = node.child
+            if child is None:
+                if node.children is None:
+                    break
+                child = node.children.get(chunk)
+                if child is None:
+                    break
+            elif child.tokens != chunk:
+                break
+            ref = child.ref
+            if not ref:
+                newly_referenced += 1
+            child.ref = ref + 1
+            table[i] = child.page
+            append(child)
+            node = child
+        if newly_referenced:
+            self.num_unreferenced -= newly_referenced
+            # Every other node of the path has a child, so only the last can be a candidate.
+            last = nodes[-1]
+            if last.lru_serial >= 0:
+                self._unlist(last)
         return nodes
 
     def acquire(self, nodes: list[Node]) -> None:
@@ -132,12 +193,16 @@ class BlockTree:
             if node.ref == 0:
                 self.num_unreferenced -= 1
                 if node.lru_serial >= 0:
-                    if node.lru_serial == 0:
-                        del self.recent[node]
-                    # else its heap entry goes stale and is skipped when popped.
-                    node.lru_serial = -1
-                    self.num_lru -= 1
+                    self._unlist(node)
             node.ref += 1
+
+    def _unlist(self, node: Node) -> None:
+        """``node``, an eviction candidate, is acquired: it is not a candidate any more."""
+        if node.lru_serial == 0:
+            del self.recent[node]
+        # else its heap entry goes stale and is skipped when popped.
+        node.lru_serial = -1
+        self.num_lru -= 1
 
     def release(self, nodes: list[Node]) -> None:
         """Drop one reference on each of ``nodes`` (a sequence's path), stamping them as used now."""
@@ -149,7 +214,7 @@ class BlockTree:
             node.ref -= 1
             if node.ref == 0:
                 self.num_unreferenced += 1
-                if not node.num_children:
+                if node.child is None and node.children is None:
                     # The newest tick: its place is the young end of ``recent``.
                     recent[node] = None
                     node.lru_serial = 0
@@ -160,34 +225,41 @@ class BlockTree:
             self.older = [entry for entry in older if entry[2].lru_serial == entry[1]]
             heapq.heapify(self.older)
 
-    def extend(self, parent: Node, key: int, data: bytes, page_bytes: int, pages: list[int]) -> list[Node]:
+    def extend(self, parent: Node, data: bytes, start: int, page_bytes: int, pages: list[int]) -> list[Node]:
         """Cache ``pages`` as a chain of new nodes below ``parent``, each held once by the caller.
-        Returns the new nodes: all pages, or fewer if a later page's key is already taken.
+        Returns the new nodes: all pages, or fewer (maybe none) if a page's key is already taken
+        by another block (a hash collision: keys name blocks in events, so they stay unique).
 
-        key: the first page's key, which must not be in the tree; ``parent`` is held or a root.
-        data: the pages' int32 token bytes, ``len(pages) * page_bytes`` long.
-        A later page cannot have a cached twin (its parent is new), so only its key is checked.
+        parent: held or a root, without a child holding the first page's tokens (so a later page
+            cannot have a cached twin either: its parent is new).
+        data: int32 token bytes; page ``i`` holds ``data[start + i * page_bytes:][:page_bytes]``.
         """
         hash_fn = self.hash_fn
         index = self.index
         nodes: list[Node] = []
-        start = 0
+        append = nodes.append
+        first = start
+        key = parent.key
         for page in pages:
             chunk = data[start : start + page_bytes]
-            if start:
-                key = hash_fn(chunk, parent.key)
-                if key in index:
-                    # Taken by another block (a collision, or a constant test hash): stop here.
-                    break
-            start += page_bytes
+            key = hash_fn(chunk, key)
+            if key in index:
+                # Another block has this key (a collision, or a constant test hash): stop here.
+                break
             node = Node(key, parent, page, chunk)
-            node.ref = 1
-            parent.num_children += 1
+            if start != first:
+                parent.child = node  # a new node has no other child
+            elif parent.child is None and parent.children is None:
+                parent.child = node
+            else:
+                _add_child(parent, node)
+            start += page_bytes
             index[key] = node
-            nodes.append(node)
+            append(node)
             parent = node
-        self.num_nodes += len(nodes)
-        self.version += 1
+        if nodes:
+            self.num_nodes += len(nodes)
+            self.version += 1
         return nodes
 
     def evict(self, count: int) -> list[Node]:
@@ -197,36 +269,53 @@ class BlockTree:
         recent = self.recent
         older = self.older
         index = self.index
-        roots = self.roots
         heappop = heapq.heappop
         evicted: list[Node] = []
-        while len(evicted) < count:
-            while older and older[0][2].lru_serial != older[0][1]:
-                heappop(older)  # stale: the parent was acquired again after it was pushed
-            if recent:
-                node = next(iter(recent))
-                if older and older[0][0] < node.tick:
+        append = evicted.append
+        # The next victim when it is already known: a parent just orphaned by eviction that is
+        # older than every candidate. A cold path then goes leaf to root without heap traffic.
+        known: Node | None = None
+        for _ in range(count):
+            if known is not None:
+                node = known
+                known = None
+            else:
+                while older and older[0][2].lru_serial != older[0][1]:
+                    heappop(older)  # stale: the parent was acquired again after it was pushed
+                if recent:
+                    if older and older[0][0] < next(iter(recent)).tick:
+                        node = heappop(older)[2]
+                    else:
+                        node = recent.popitem(last=False)[0]
+                elif older:
                     node = heappop(older)[2]
                 else:
-                    del recent[node]
-            elif older:
-                node = heappop(older)[2]
-            else:
-                break
-            node.lru_serial = -1
-            self.num_lru -= 1
+                    break
+                node.lru_serial = -1
+                self.num_lru -= 1
             del index[node.key]
-            evicted.append(node)
+            append(node)
             parent = node.parent
-            parent.num_children -= 1
-            if parent.ref == 0 and not parent.num_children:
-                if isinstance(parent, Root):
-                    del roots[parent.namespace]
-                else:
-                    self._serial += 1
-                    parent.lru_serial = self._serial
-                    self.num_lru += 1
-                    heapq.heappush(older, (parent.tick, self._serial, parent))
+            if parent.child is not node:
+                _remove_child(parent, node)
+                continue
+            parent.child = None
+            if parent.ref:
+                continue
+            if type(parent) is Root:
+                del self.roots[parent.namespace]
+            elif (
+                len(evicted) < count
+                and (not recent or parent.tick < next(iter(recent)).tick)
+                and (not older or parent.tick < older[0][0])
+            ):
+                # Popped next anyway: ties go to ``recent`` and to older heap entries. (A stale
+                # heap head is no newer than the live one, so the test is never too lax.)
+                known = parent
+            else:
+                self._push_older(parent)
+        if known is not None:
+            self._push_older(known)
         removed = len(evicted)
         self.num_nodes -= removed
         self.num_unreferenced -= removed
@@ -234,9 +323,38 @@ class BlockTree:
             self.version += 1
         return evicted
 
+    def _push_older(self, parent: Node) -> None:
+        """``parent``, unreferenced, became a leaf by eviction: it waits in the heap with its own
+        (older) tick."""
+        self._serial += 1
+        parent.lru_serial = self._serial
+        self.num_lru += 1
+        heapq.heappush(self.older, (parent.tick, self._serial, parent))
+
     def release_root(self, root: Root) -> None:
         """A sequence of ``root``'s namespace closed; forget the root once it is unused and empty,
         so per-request namespaces (cache salts) do not pile up."""
         root.ref -= 1
-        if root.ref == 0 and not root.num_children:
+        if root.ref == 0 and root.is_leaf:
             del self.roots[root.namespace]
+
+
+def _add_child(parent: Node, node: Node) -> None:
+    """Make ``node`` a child of ``parent``, which already has one or more (``child`` becomes
+    ``children`` at the second)."""
+    if parent.children is None:
+        only = parent.child
+        parent.children = {only.tokens: only, node.tokens: node}
+        parent.child = None
+    else:
+        parent.children[node.tokens] = node
+
+
+def _remove_child(parent: Node, node: Node) -> None:
+    """Remove ``node`` from the two or more children of ``parent`` (back to ``child`` when one
+    is left)."""
+    children = parent.children
+    del children[node.tokens]
+    if len(children) == 1:
+        (parent.child,) = children.values()
+        parent.children = None

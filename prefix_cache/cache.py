@@ -182,7 +182,7 @@ class PrefixCache:
         root = self._tree.roots.get(namespace)
         if root is None:
             return 0
-        return len(self._match(root, arr)) * self._page_size
+        return len(self._match(root, arr, None)) * self._page_size
 
     def open(self, tokens: object, namespace: Namespace = None) -> Sequence:
         """Start a sequence for the prompt ``tokens`` (1-D ints) and lock its longest cached prefix.
@@ -193,19 +193,20 @@ class PrefixCache:
         """
         arr = as_token_array(tokens)
         check_namespace(namespace)
-        tree = self._tree
-        root = tree.root(namespace)
-        nodes = self._match(root, arr)
+        root = self._tree.root(namespace)
         page_size = self._page_size
         prompt_pages = -(-len(arr) // page_size)
-        seq = Sequence(self, self._next_seq_id, namespace, root, prompt_pages + _DECODE_HEADROOM_PAGES)
+        seq = Sequence(
+            self, self._next_seq_id, namespace, root, prompt_pages + _DECODE_HEADROOM_PAGES, page_size
+        )
         self._next_seq_id += 1
         root.ref += 1
-        tree.acquire(nodes)
+        nodes = self._match(root, arr, memoryview(seq._pages))
         seq._nodes = nodes
         num_cached = len(nodes) * page_size
         if nodes:
-            seq._add_pages([node.page for node in nodes], page_size)
+            seq._num_pages = len(nodes)
+            seq._capacity = num_cached
             seq._tokens[:num_cached] = arr[:num_cached]
         seq._num_tokens = seq._num_allocated = seq._num_cached_tokens = num_cached
         seq._num_full_pages = len(nodes)
@@ -352,19 +353,27 @@ class PrefixCache:
             raise ValueError(f"sequence {seq._id} belongs to another PrefixCache")
         raise ValueError(f"sequence {seq._id} is closed")
 
-    def _match(self, root: Root, arr: np.ndarray) -> list[Node]:
+    def _match(self, root: Root, arr: np.ndarray, table: memoryview | None) -> list[Node]:
         """Nodes of the longest cached prefix of ``arr`` under ``root``, never covering the last
-        token (the engine needs its logits)."""
-        if not root.num_children or len(arr) <= self._page_size:
+        token (the engine needs its logits). With a ``table`` (a new sequence's block table) each
+        node gets one more reference and its page id is written to the table."""
+        if root.is_leaf or len(arr) <= self._page_size:
             return []
         tree = self._tree
         num_pages = (len(arr) - 1) // self._page_size
-        data = arr[: num_pages * self._page_size].tobytes()
+        data = arr.tobytes()
         # Engines call match and then open with the same prompt: reuse the walk while the tree
-        # is unchanged (one memcmp of the prompt instead of a hash per page).
+        # is unchanged (one memcmp of the prompt instead of a lookup per page).
         last = self._last_match
         if last is not None and last[0] is root and last[1] == tree.version and last[2] == data:
-            return list(last[3])
+            nodes = list(last[3])
+            if table is not None:
+                tree.acquire(nodes)
+                for i, node in enumerate(nodes):
+                    table[i] = node.page
+            return nodes
+        if table is not None:
+            return tree.lock(root, data, num_pages, 4 * self._page_size, table)
         nodes = tree.match(root, data, num_pages, 4 * self._page_size)
         self._last_match = (root, tree.version, data, tuple(nodes))
         return nodes
@@ -396,25 +405,22 @@ class PrefixCache:
         if seq._broken:
             return
         tree = self._tree
-        hash_fn = tree.hash_fn
         nodes = seq._nodes
         pages = seq._pages
         parent: Node = nodes[-1] if nodes else seq._root
         page_bytes = 4 * page_size
         data = seq._tokens[first * page_size : full * page_size].tobytes()
         start = 0
-        get = tree.index.get
         for index in range(first, full):
             chunk = data[start : start + page_bytes]
-            key = hash_fn(chunk, parent.key)
-            node = get(key)
+            node = parent.child_with(chunk)
             if node is None:
-                stored = tree.extend(parent, key, data[start:], page_bytes, pages[index:full].tolist())
-                nodes.extend(stored)
+                stored = tree.extend(parent, data, start, page_bytes, pages[index:full].tolist())
+                nodes += stored
                 self._stored_pages += len(stored)
                 if index + len(stored) < full:
                     self._break_chain(seq)
-                if self._record_events:
+                if stored and self._record_events:
                     # Turned into a BlockStored by drain_events, off the per-step path.
                     self._events.append(
                         _PendingStored(
@@ -424,9 +430,6 @@ class PrefixCache:
                             seq._namespace,
                         )
                     )
-                return
-            if node.parent is not parent or node.tokens != chunk:
-                self._break_chain(seq)
                 return
             # Computed concurrently by another sequence: keep one copy, the cached one.
             tree.acquire([node])
@@ -518,7 +521,7 @@ class _Checker:
                 self.fail(f"bad root for namespace {namespace!r}")
             if root.key != namespace_seed(namespace):
                 self.fail(f"root of {namespace!r} has the wrong seed")
-            if root.ref == 0 and not root.num_children:
+            if root.ref == 0 and root.is_leaf:
                 self.fail(f"empty unused root of {namespace!r} was not dropped")
         roots = {id(root) for root in tree.roots.values()}
         children: dict[int, int] = {}
@@ -535,13 +538,18 @@ class _Checker:
                 self.fail(f"page {node.page}: key is not the hash of its tokens")
             if node.ref < 0 or (node.ref > parent.ref and not isinstance(parent, Root)):
                 self.fail(f"page {node.page}: ref {node.ref} exceeds its parent's {parent.ref}")
+            if parent.child_with(node.tokens) is not node:
+                self.fail(f"page {node.page}: not its parent's child under its tokens")
             children[id(parent)] = children.get(id(parent), 0) + 1
             self.book(node.page, "cached")
         for node in [*tree.roots.values(), *nodes]:
-            if node.num_children != children.get(id(node), 0):
+            if node.children is not None and (node.child is not None or len(node.children) < 2):
+                # The hot paths rely on it: one child in ``child``, two or more in ``children``.
+                self.fail(f"page {node.page}: children kept in the wrong slot")
+            listed = len(node.children) if node.children is not None else int(node.child is not None)
+            if listed != children.get(id(node), 0):
                 self.fail(
-                    f"page {node.page}: {node.num_children} children counted, "
-                    f"{children.get(id(node), 0)} in the tree"
+                    f"page {node.page}: {listed} children listed, {children.get(id(node), 0)} in the tree"
                 )
         if len(nodes) != tree.num_nodes:
             self.fail(f"tree holds {len(nodes)} nodes, counter says {tree.num_nodes}")
@@ -609,7 +617,7 @@ class _Checker:
                 if tick != node.tick:
                     self.fail(f"page {node.page}: LRU entry tick {tick}, node tick {node.tick}")
                 live[id(node)] = node
-        candidates = {id(node) for node in nodes if node.ref == 0 and not node.num_children}
+        candidates = {id(node) for node in nodes if node.ref == 0 and node.is_leaf}
         if set(live) != candidates:
             self.fail(f"LRU holds {len(live)} pages, {len(candidates)} unreferenced leaves exist")
         if len(live) != tree.num_lru:

@@ -40,9 +40,15 @@ class Sequence:
     )
 
     def __init__(
-        self, cache: PrefixCache, seq_id: int, namespace: Namespace, root: Root, capacity_pages: int
+        self,
+        cache: PrefixCache,
+        seq_id: int,
+        namespace: Namespace,
+        root: Root,
+        capacity_pages: int,
+        page_size: int,
     ) -> None:
-        page_size = cache.page_size
+        """capacity_pages: pages to reserve buffer room for (>= 1); page_size: the cache's."""
         self._cache = cache
         # The cache while the sequence is open, None once closed: one identity test guards the hot path.
         self._owner: PrefixCache | None = cache
@@ -50,8 +56,8 @@ class Sequence:
         self._namespace = namespace
         self._root = root
         # Committed tokens; capacity is always a whole number of pages, at least the allocated ones.
-        self._tokens = np.empty(max(capacity_pages, 1) * page_size, dtype=np.int32)
-        self._pages = np.empty(max(capacity_pages, 1), dtype=np.int32)
+        self._tokens = np.empty(capacity_pages * page_size, dtype=np.int32)
+        self._pages = np.empty(capacity_pages, dtype=np.int32)
         self._num_pages = 0
         self._num_tokens = 0
         self._num_allocated = 0

@@ -94,6 +94,24 @@ def test_open_after_match_sees_changes_in_between() -> None:
     cache.check_invariants()
 
 
+def test_open_after_match_locks_the_same_pages() -> None:
+    # The reused walk must take the references and fill the block table as a fresh walk does.
+    cache = PrefixCache(num_pages=16, page_size=2)
+    prompt = [1, 2, 3, 4, 5, 6, 7]
+    run_prompt(cache, prompt)
+    fresh = cache.open(prompt)
+    assert cache.match(prompt) == 6
+    reused = cache.open(prompt)
+    assert reused.num_cached_tokens == 6
+    assert reused.block_table.tolist() == fresh.block_table.tolist()
+    assert cache.num_evictable_pages == 0
+    cache.check_invariants()
+    cache.close(fresh)
+    cache.close(reused)
+    assert cache.num_evictable_pages == 3
+    cache.check_invariants()
+
+
 @pytest.mark.parametrize(
     "make",
     [
@@ -136,6 +154,10 @@ BAD_TOKENS = [
     (None, TypeError),
     (["1"], TypeError),
     (np.array([1, -2], dtype=np.int32), ValueError),
+    (np.array([-(2**31), 1], dtype=np.int32), ValueError),
+    (np.array([1, 2, -1, 4], dtype=np.int32)[::2], ValueError),  # strided view
+    (np.r_[np.arange(4000), -1].astype(np.int32), ValueError),  # long enough for numpy's check
+    (np.r_[np.arange(2000), -1].astype(np.int32), ValueError),
     (np.array([1, 2**31], dtype=np.int64), ValueError),
     (np.array([1.0]), TypeError),
     (np.array([True]), TypeError),
@@ -369,6 +391,60 @@ def test_parent_of_evicted_leaf_keeps_its_own_last_use() -> None:
     assert order == [k2, chain_keys([5, 5], 2)[0], chain_keys([6, 6], 2)[0], k1]
 
 
+def test_orphaned_parent_waits_behind_older_ones() -> None:
+    # Evicting a leaf orphans its parent; in one ``evict`` call it must still yield to an older
+    # orphaned parent that is already waiting.
+    cache = PrefixCache(num_pages=64, page_size=2)
+    run_prompt(cache, [1, 1, 2, 2, 0])  # E1 -> E2
+    run_prompt(cache, [3, 3, 4, 4, 0])  # A1 -> A2
+    run_prompt(cache, [1, 1, 0])  # E1 used again
+    run_prompt(cache, [3, 3, 0])  # A1 used again, after E1
+    run_prompt(cache, [5, 5, 0])  # Z1, the newest
+    e1, e2 = chain_keys([1, 1, 2, 2], 2)
+    a1, a2 = chain_keys([3, 3, 4, 4], 2)
+    (z1,) = chain_keys([5, 5], 2)
+    cache.drain_events()
+    assert cache.evict(1) == 1  # E2; E1 now waits with its newer use
+    assert cache.evict(2) == 2  # A2, then E1 (older than A1, which A2's eviction orphaned)
+    assert cache.evict(5) == 2
+    assert [key for event in cache.drain_events() for key in event.block_hashes] == [e2, a2, e1, a1, z1]
+    cache.check_invariants()
+
+
+def test_batch_eviction_follows_the_same_order_as_single_evictions() -> None:
+    # ``evict(n)`` may shortcut an orphaned parent past the LRU structures; the order must be
+    # exactly that of n calls of ``evict(1)``, which always go through them.
+    rng = np.random.default_rng(3)
+    caches = [PrefixCache(num_pages=400, page_size=2) for _ in range(2)]
+    history: list[list[int]] = []
+    for _ in range(60):
+        base = history[int(rng.integers(len(history)))] if history and rng.random() < 0.7 else []
+        cut = int(rng.integers(0, len(base) + 1))
+        if cut > 2 and rng.random() < 0.3:
+            prompt = base[:cut]  # refreshes the pages it reuses, so parents outlive their leaves
+        else:
+            prompt = base[:cut] + rng.integers(0, 4, int(rng.integers(1, 9))).tolist()
+        history.append(prompt)
+        keep = rng.random() < 0.1
+        for cache in caches:
+            run_prompt(cache, prompt, close=not keep)
+            cache.drain_events()
+    batched, single = caches
+    order: list[list[int]] = [[], []]
+    while True:
+        size = int(rng.integers(1, 6))
+        freed = batched.evict(size)
+        for _ in range(size):
+            single.evict(1)
+        for cache, keys in zip(caches, order, strict=True):
+            keys.extend(key for event in cache.drain_events() for key in event.block_hashes)
+            cache.check_invariants()
+        assert order[0] == order[1]
+        if freed < size:
+            break
+    assert batched.num_evictable_pages == 0 and len(order[0]) > 50
+
+
 def test_stale_lru_entries_are_dropped() -> None:
     # A parent that became a leaf by eviction waits in the heap; each reopen of it leaves a stale
     # heap entry behind, and those must not pile up.
@@ -587,8 +663,18 @@ def corrupt_cases():
         node = seq._nodes[0]
         node.tokens = bytes(len(node.tokens))
 
-    def wrong_child_count(cache, seq):
-        seq._nodes[0].num_children += 1
+    def stray_child(cache, seq):
+        node = seq._nodes[0]
+        node.children = {node.child.tokens: node.child, b"stray": node}
+        node.child = None
+
+    def lost_child(cache, seq):
+        seq._nodes[0].child = None
+
+    def children_in_wrong_slot(cache, seq):
+        node = seq._nodes[0]
+        node.children = {node.child.tokens: node.child}
+        node.child = None
 
     return [
         free_page_twice,
@@ -600,7 +686,9 @@ def corrupt_cases():
         wrong_block_table,
         wrong_tokens,
         node_tokens_changed,
-        wrong_child_count,
+        stray_child,
+        lost_child,
+        children_in_wrong_slot,
     ]
 
 

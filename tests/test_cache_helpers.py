@@ -8,6 +8,7 @@ from collections.abc import Sequence as Seq
 import numpy as np
 from xxhash import xxh3_64_intdigest
 
+from prefix_cache.block_tree import Node
 from prefix_cache.cache import PrefixCache
 from prefix_cache.hashing import Namespace, namespace_seed
 
@@ -16,10 +17,10 @@ def snapshot(cache: PrefixCache) -> tuple:
     """Everything the cache's behaviour depends on, as comparable plain data."""
     tree = cache._tree
     nodes = sorted(
-        (n.key, n.parent.key, n.page, n.tokens, n.ref, n.tick, n.lru_serial, n.num_children)
+        (n.key, n.parent.key, n.page, n.tokens, n.ref, n.tick, n.lru_serial, child_keys(n))
         for n in tree.index.values()
     )
-    roots = sorted((repr(ns), r.ref, r.num_children) for ns, r in tree.roots.items())
+    roots = sorted((repr(ns), r.ref, child_keys(r)) for ns, r in tree.roots.items())
     heap = [(tick, serial, node.key) for tick, serial, node in tree.older]
     recent = [(node.key, node.tick) for node in tree.recent]
     seqs = sorted(
@@ -49,6 +50,15 @@ def snapshot(cache: PrefixCache) -> tuple:
         cache.stats,
         len(cache._events),
     )
+
+
+def child_keys(node: Node) -> list[tuple[bytes, int]] | None:
+    """A node's children as (tokens, key) pairs, None when it has none."""
+    if node.child is not None:
+        return [(node.child.tokens, node.child.key)]
+    if node.children is None:
+        return None
+    return sorted((tokens, child.key) for tokens, child in node.children.items())
 
 
 def chain_keys(tokens: Seq[int], page_size: int, namespace: Namespace = None) -> list[int]:
