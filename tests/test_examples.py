@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -25,8 +26,10 @@ def test_engine_loop_matches_the_reference_and_hits_the_cache(backend, capsys):
     if backend == "triton":
         pytest.importorskip("triton")
     engine_loop = _load("engine_loop")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     small = ["--conversations", "2", "--samples", "3", "--system-tokens", "70", "--new-tokens", "3"]
-    assert engine_loop.main(["--backend", backend, "--check", "--page-size", "8", *small]) == 0
+    args = ["--backend", backend, "--device", device, "--check", "--page-size", "8", *small]
+    assert engine_loop.main(args) == 0
     printed = capsys.readouterr().out
     hit_rate = float(re.search(r"served from cache \d+ \(([\d.]+)%\)", printed).group(1))
     error = float(re.search(r"over all steps: (\S+)", printed).group(1))

@@ -89,6 +89,7 @@ def _ref_level(q, kv_cache, qo_indptr, kv_indptr, kv_indices, last, causal, sm_s
 
 def _assert_close(out, lse, ref_out, ref_lse, atol):
     out, lse = out.cpu().double(), lse.cpu().double()
+    ref_out, ref_lse = ref_out.cpu(), ref_lse.cpu()
     assert not out.isnan().any() and not lse.isnan().any()
     assert torch.equal(lse.isinf(), ref_lse.isinf()), "empty queries must get lse -inf, others finite"
     torch.testing.assert_close(out, ref_out, atol=atol, rtol=atol)
@@ -139,8 +140,8 @@ def test_level_attention_matches_reference(page_size, num_qo_heads, num_kv_heads
     num_pages = sum(-(-n // page_size) for n in lengths) + 5
     kvp, idx, last = _pages_for(lengths, page_size, num_pages, gen)
     qo = np.concatenate([[0], np.cumsum([n for n, _ in CPU_GROUPS])]).astype(np.int32)
-    kv_cache = torch.randn(num_pages, 2, page_size, num_kv_heads, head_dim, generator=gen)
-    q = torch.randn(int(qo[-1]), num_qo_heads, head_dim, generator=gen)
+    kv_cache = torch.randn(num_pages, 2, page_size, num_kv_heads, head_dim, generator=gen).to(DEVICE)
+    q = torch.randn(int(qo[-1]), num_qo_heads, head_dim, generator=gen).to(DEVICE)
     scale = 0.3
     out, lse, splits = _run_level(
         q, kv_cache, (qo, kvp, idx, last), causal, scale, kv_chunk_size, torch.float32
@@ -159,8 +160,8 @@ def test_level_attention_half_precision(dtype):
     num_pages = sum(-(-n // page_size) for n in lengths) + 3
     kvp, idx, last = _pages_for(lengths, page_size, num_pages, gen)
     qo = np.concatenate([[0], np.cumsum([n for n, _ in CPU_GROUPS])]).astype(np.int32)
-    kv_cache = torch.randn(num_pages, 2, page_size, hkv, d, generator=gen).to(dtype)
-    q = torch.randn(int(qo[-1]), hq, d, generator=gen).to(dtype)
+    kv_cache = torch.randn(num_pages, 2, page_size, hkv, d, generator=gen).to(dtype).to(DEVICE)
+    q = torch.randn(int(qo[-1]), hq, d, generator=gen).to(dtype).to(DEVICE)
     out, lse = level_attention(
         q, kv_cache, qo, kvp, idx, last, causal=True, out_dtype=dtype, kv_chunk_size=16
     )
@@ -176,8 +177,8 @@ def test_level_attention_unpadded_head_dim_and_wide_group():
     lengths = [kv for _, kv in groups]
     kvp, idx, last = _pages_for(lengths, 5, 12, gen)
     qo = np.array([0, 7, 8], dtype=np.int32)
-    kv_cache = torch.randn(12, 2, 5, 3, 24, generator=gen)
-    q = torch.randn(8, 9, 24, generator=gen)
+    kv_cache = torch.randn(12, 2, 5, 3, 24, generator=gen).to(DEVICE)
+    q = torch.randn(8, 9, 24, generator=gen).to(DEVICE)
     out, lse, _ = _run_level(q, kv_cache, (qo, kvp, idx, last), False, 24**-0.5, None, torch.float32)
     ref_out, ref_lse = _ref_level(q, kv_cache, qo, kvp, idx, last, False, 24**-0.5)
     _assert_close(out, lse, ref_out, ref_lse, ATOL[torch.float32])
@@ -191,11 +192,11 @@ def test_level_attention_group_spanning_several_m_tiles(causal, kv_chunk_size):
     groups = [(45, 70), (2, 9)]
     kvp, idx, last = _pages_for([kv for _, kv in groups], 8, 12, gen)
     qo = np.array([0, 45, 47], dtype=np.int32)
-    kv_cache = torch.randn(12, 2, 8, 2, 16, generator=gen)
-    q = torch.randn(47, 6, 16, generator=gen)
+    kv_cache = torch.randn(12, 2, 8, 2, 16, generator=gen).to(DEVICE)
+    q = torch.randn(47, 6, 16, generator=gen).to(DEVICE)
     sched = plan_level(
         qo, kvp, idx, last, causal=causal, page_size=8, num_qo_heads=6, num_kv_heads=2, head_dim=16,
-        device="cpu",
+        device=DEVICE,
     )  # fmt: skip
     assert sched.tile_q * 3 < sched.block_m < 45 * 3
     out, lse, _ = _run_level(q, kv_cache, (qo, kvp, idx, last), causal, 0.25, kv_chunk_size, torch.float32)
@@ -208,8 +209,8 @@ def test_level_attention_automatic_split():
     gen = torch.Generator().manual_seed(17)
     kvp, idx, last = _pages_for([1100, 40], 16, 75, gen)
     qo = np.array([0, 1, 3], dtype=np.int32)
-    kv_cache = torch.randn(75, 2, 16, 2, 16, generator=gen)
-    q = torch.randn(3, 8, 16, generator=gen)
+    kv_cache = torch.randn(75, 2, 16, 2, 16, generator=gen).to(DEVICE)
+    q = torch.randn(3, 8, 16, generator=gen).to(DEVICE)
     out, lse, splits = _run_level(q, kv_cache, (qo, kvp, idx, last), True, 0.25, None, torch.float32)
     assert splits[0] > 1 and splits[1] == 1
     ref_out, ref_lse = _ref_level(q, kv_cache, qo, kvp, idx, last, True, 0.25)
@@ -277,15 +278,15 @@ def test_merge_states_fixed_count():
 def test_merge_states_varlen_scatters_and_handles_zero_counts():
     gen = torch.Generator().manual_seed(4)
     h, d = 4, 16
-    counts = torch.tensor([2, 0, 1, 3], dtype=torch.int32)
+    counts = torch.tensor([2, 0, 1, 3], dtype=torch.int32, device=DEVICE)
     starts = (torch.cumsum(counts, 0) - counts).to(torch.int32)
     rows = int(counts.sum())
-    o = torch.randn(rows, h, d, generator=gen)
-    lse = torch.randn(rows, h, generator=gen)
+    o = torch.randn(rows, h, d, generator=gen).to(DEVICE)
+    lse = torch.randn(rows, h, generator=gen).to(DEVICE)
     lse[3, 0] = -math.inf
-    out_rows = torch.tensor([3, 0, 2, 1])
-    out = torch.full((4, h, d), math.nan, dtype=torch.bfloat16)
-    out_lse = torch.full((4, h), math.nan)
+    out_rows = torch.tensor([3, 0, 2, 1], device=DEVICE)
+    out = torch.full((4, h, d), math.nan, dtype=torch.bfloat16, device=DEVICE)
+    out_lse = torch.full((4, h), math.nan, device=DEVICE)
     merge_states_varlen(o, lse, starts, counts, out, out_rows=out_rows, out_lse=out_lse)
     for tok in range(4):
         seg = slice(int(starts[tok]), int(starts[tok] + counts[tok]))
@@ -320,8 +321,9 @@ def test_append_kv_writes_slots_and_skips_minus_one(page_size, dtype):
         if slot >= 0:
             expected[slot // page_size, 0, slot % page_size] = k[i]
             expected[slot // page_size, 1, slot % page_size] = v[i]
-    append_kv(cache, k, v, slots)
-    assert torch.equal(cache, expected)
+    device_cache = cache.to(DEVICE)
+    append_kv(device_cache, k.to(DEVICE), v.to(DEVICE), slots.to(DEVICE))
+    assert torch.equal(device_cache.cpu(), expected)
 
 
 def test_append_kv_rejects_dtype_mismatch():
