@@ -62,7 +62,7 @@ def _check_int(name: str, value: object, low: int, high: int | None = None) -> i
     except TypeError:
         raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
     if number < low or (high is not None and number > high):
-        bound = f"[{low}, {high}]" if high is not None else f">= {low}"
+        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
         raise ValueError(f"{name} must be {bound}, got {number}")
     return number
 
