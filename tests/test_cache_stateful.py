@@ -32,6 +32,16 @@ NAMESPACES = (None, "tenant", 3)
 VOCAB = 3  # few distinct tokens, so prompts share prefixes by chance too
 TOKENS = st.lists(st.integers(0, VOCAB - 1), min_size=0, max_size=12)
 
+# What opening a prompt draws: where the prompt comes from, its own suffix, the namespace and the
+# container type of the tokens. Shared by the machine's ``open`` and ``admit`` rules.
+PROMPT = {
+    "data": st.data(),
+    "source": st.sampled_from(["fresh", "extend", "system", "repeat"]),
+    "suffix": TOKENS,
+    "namespace": st.sampled_from(NAMESPACES),
+    "kind": st.integers(0, 4),
+}
+
 
 @dataclass
 class Live:
@@ -214,25 +224,11 @@ class CacheMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ rules
 
-    SOURCES = st.sampled_from(["fresh", "extend", "system", "repeat"])
-
-    @rule(
-        data=st.data(),
-        source=SOURCES,
-        suffix=TOKENS,
-        namespace=st.sampled_from(NAMESPACES),
-        kind=st.integers(0, 4),
-    )
+    @rule(**PROMPT)
     def open(self, data, source: str, suffix: list[int], namespace, kind: int) -> None:
         self.open_prompt(data, source, suffix, namespace, kind)
 
-    @rule(
-        data=st.data(),
-        source=SOURCES,
-        suffix=TOKENS,
-        namespace=st.sampled_from(NAMESPACES),
-        kind=st.integers(0, 4),
-    )
+    @rule(**PROMPT)
     def admit(self, data, source: str, suffix: list[int], namespace, kind: int) -> None:
         """The engine's admission: open, allocate the uncached prompt, commit it."""
         live = self.open_prompt(data, source, suffix, namespace, kind)
