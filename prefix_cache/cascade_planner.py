@@ -7,7 +7,7 @@ call; each kept node becomes a group at the level of its depth among kept nodes,
 request has left after its deepest kept node goes to the last, causal level.
 
 Pass page tables as numpy arrays: 256 requests × 2000 pages plan in about 2 ms, most of it spent
-slicing per request; lists of Python ints cost a conversion of every page id.
+slicing per request; lists of Python ints cost a conversion and a type check of every page id.
 """
 
 from __future__ import annotations
@@ -82,6 +82,10 @@ class CascadePlanner:
         Requests without queries take no part: they sit last in planned order with no KV anywhere.
         A shared segment never reaches a request's new tokens: a node is capped at the whole pages
         before the first new token of every member.
+
+        Nothing is converted that is not an integer already: page ids or lengths that are floats (NaN
+        included) or bools raise TypeError, and a wrong shape or a value out of range raises
+        ValueError, each naming the argument.
         """
         kv, qo, tables, page_size = _validate(block_tables, kv_lens, qo_lens, page_size)
         batch = kv.shape[0]
@@ -137,6 +141,11 @@ class CascadePlanner:
         return kept
 
 
+#: Page ids, the page size and query offsets end up in int32 plan arrays.
+_I32_MAX = int(np.iinfo(_I32).max)
+_BOOL_TYPES = frozenset((bool, np.bool_))
+
+
 def _validate(
     block_tables: np.ndarray | Sequence[Sequence[int] | np.ndarray],
     kv_lens: Sequence[int] | np.ndarray,
@@ -144,12 +153,19 @@ def _validate(
     page_size: int,
 ) -> tuple[np.ndarray, np.ndarray, list[np.ndarray], int]:
     """Checked int64 lengths, each request's used pages (int32, exactly ceil(kv / page_size)) and the
-    page size as an int."""
-    if isinstance(page_size, bool) or not isinstance(page_size, int | np.integer) or page_size < 1:
-        raise ValueError(f"page_size must be a positive integer, got {page_size!r}")
+    page size as an int. Nothing is converted that is not already an integer: floats (NaN too), bools
+    and arrays of the wrong rank raise, naming the argument."""
+    if isinstance(page_size, bool) or not isinstance(page_size, int | np.integer):
+        raise TypeError(f"page_size must be an integer, got {page_size!r}")
+    if not 1 <= page_size <= _I32_MAX:
+        raise ValueError(f"page_size must be in [1, 2**31), got {page_size}")
     page_size = int(page_size)
-    kv = np.asarray(kv_lens, dtype=np.int64).reshape(-1)
-    qo = np.asarray(qo_lens, dtype=np.int64).reshape(-1)
+    kv = _int_vector("kv_lens", kv_lens).astype(np.int64, copy=False)
+    qo = _int_vector("qo_lens", qo_lens).astype(np.int64, copy=False)
+    if isinstance(block_tables, np.ndarray) and block_tables.ndim != 2:
+        raise ValueError(
+            f"block_tables must be 2-D or a sequence of 1-D tables, got shape {block_tables.shape}"
+        )
     if kv.shape != qo.shape or len(block_tables) != kv.shape[0]:
         raise ValueError(
             f"block_tables, kv_lens and qo_lens must have one entry per request, got "
@@ -160,18 +176,55 @@ def _validate(
     if (qo > kv).any():
         i = int(np.argmax(qo > kv))
         raise ValueError(f"request {i}: qo_len {qo[i]} exceeds kv_len {kv[i]} (queries are part of the KV)")
+    if int(qo.sum()) > _I32_MAX:  # query offsets are int32
+        raise ValueError(f"qo_lens must sum to less than 2**31, got {int(qo.sum())}")
     num_pages = -(-kv // page_size)
-    tables = [
-        np.asarray(row).reshape(-1)[:n] for row, n in zip(block_tables, num_pages.tolist(), strict=True)
-    ]
+    if isinstance(block_tables, np.ndarray):
+        _check_int_dtype("block_tables", block_tables)  # once for all rows
+        tables = [row[:n] for row, n in zip(block_tables, num_pages.tolist(), strict=True)]
+    else:
+        tables = [
+            # Integer numpy rows (the fast path) are taken as they are; anything else is checked.
+            (
+                row
+                if type(row) is np.ndarray and row.ndim == 1 and row.dtype.kind in "iu"
+                else _int_vector(f"block_tables[{i}]", row)
+            )[:n]
+            for i, (row, n) in enumerate(zip(block_tables, num_pages.tolist(), strict=True))
+        ]
     for i, (pages, n) in enumerate(zip(tables, num_pages.tolist(), strict=True)):
         if pages.shape[0] < n:
             raise ValueError(f"request {i}: {pages.shape[0]} pages for kv_len {kv[i]}, needs {n}")
     used = np.concatenate(tables) if tables else np.zeros(0, dtype=_I32)
-    if used.size and (used.min() < 0 or used.max() > np.iinfo(_I32).max):
-        raise ValueError("page ids must be in [0, 2**31)")
+    if used.size and (used.min() < 0 or used.max() > _I32_MAX):
+        raise ValueError(f"page ids must be in [0, 2**31), got range [{used.min()}, {used.max()}]")
     tables = [pages.astype(_I32, copy=False) for pages in tables]
     return kv, qo, tables, page_size
+
+
+def _int_vector(name: str, values: Sequence[int] | np.ndarray) -> np.ndarray:
+    """``values`` as a 1-D integer numpy array (a view where it already is one); raises naming ``name``
+    for another rank, a non-integer dtype, or a bool among Python ints (which numpy would take as 0/1)."""
+    try:
+        arr = np.asarray(values)
+    except (ValueError, OverflowError) as exc:  # ragged nesting, or ints that overflow
+        raise ValueError(f"{name} must be a 1-D sequence of integers: {exc}") from None
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
+    if arr.size == 0:
+        return arr.astype(np.int64, copy=False)  # [] is float64 to numpy
+    if arr.dtype.kind == "O" and all(type(v) is int for v in values):
+        raise ValueError(f"{name} holds integers out of range")  # too large for any numpy int
+    _check_int_dtype(name, arr)
+    if isinstance(values, list | tuple) and not _BOOL_TYPES.isdisjoint(map(type, values)):
+        raise TypeError(f"{name} must hold integers, got a bool")
+    return arr
+
+
+def _check_int_dtype(name: str, arr: np.ndarray) -> None:
+    if arr.size and arr.dtype.kind not in "iu":
+        what = "bools" if arr.dtype.kind == "b" else f"dtype {arr.dtype}"
+        raise TypeError(f"{name} must hold integers, got {what}")
 
 
 def _sort_by_table(tables: list[np.ndarray], shareable: np.ndarray, active: np.ndarray) -> np.ndarray:

@@ -202,23 +202,66 @@ def test_edge_cases() -> None:
     assert plan.levels[0].kv_indices.tolist() == list(range(39))
 
 
+NAN = float("nan")
+
+
 @pytest.mark.parametrize(
-    ("tables", "kv", "qo", "page_size", "message"),
+    ("tables", "kv", "qo", "page_size", "error", "message"),
     [
-        ([[0]], [1], [1], 0, "page_size"),
-        ([[0]], [1], [1], 16.0, "page_size"),
-        ([[0]], [-1], [0], 16, ">= 0"),
-        ([[0]], [1], [-1], 16, ">= 0"),
-        ([[0]], [1], [2], 16, "exceeds"),
-        ([[0]], [17], [1], 16, "needs 2"),
-        ([[0], [1]], [1], [1], 16, "one entry per request"),
-        ([[0]], [1, 1], [1, 1], 16, "one entry per request"),
-        ([[-1]], [1], [1], 16, "page ids"),
+        ([[0]], [1], [1], 0, ValueError, "page_size"),
+        ([[0]], [1], [1], 2**31, ValueError, "page_size"),
+        ([[0]], [1], [1], 16.0, TypeError, "page_size"),
+        ([[0]], [1], [1], True, TypeError, "page_size"),
+        ([[0]], [-1], [0], 16, ValueError, ">= 0"),
+        ([[0]], [1], [-1], 16, ValueError, ">= 0"),
+        ([[0]], [1], [2], 16, ValueError, "exceeds"),
+        ([[0]], [17], [1], 16, ValueError, "needs 2"),
+        ([[0], [1]], [1], [1], 16, ValueError, "one entry per request"),
+        ([[0]], [1, 1], [1, 1], 16, ValueError, "one entry per request"),
+        ([[-1]], [1], [1], 16, ValueError, "page ids"),
+        ([[2**31]], [1], [1], 16, ValueError, "page ids"),
+        # Nothing is converted: NaN, floats, bools and extra dimensions are refused by name.
+        ([np.array([NAN])], [1], [1], 16, TypeError, r"block_tables\[0\]"),
+        (np.array([[0.0, NAN]]), [17], [1], 16, TypeError, "block_tables"),
+        ([[0.0]], [1], [1], 16, TypeError, r"block_tables\[0\]"),
+        ([np.array([True])], [1], [1], 16, TypeError, r"block_tables\[0\].*bool"),
+        (np.array([[True]]), [1], [1], 16, TypeError, "block_tables.*bool"),
+        ([[0, True]], [17], [1], 16, TypeError, r"block_tables\[0\].*bool"),
+        ([np.zeros((1, 2), int)], [17], [1], 16, ValueError, r"block_tables\[0\] must be 1-D"),
+        (np.zeros((1, 1, 2), int), [17], [1], 16, ValueError, "block_tables must be 2-D"),
+        ([[0]], [1.0], [1], 16, TypeError, "kv_lens"),
+        ([[0]], [NAN], [1], 16, TypeError, "kv_lens"),
+        ([[0]], np.array([True]), [1], 16, TypeError, "kv_lens.*bool"),
+        ([[0], [1]], [1, True], [1, 1], 16, TypeError, "kv_lens.*bool"),
+        ([[0]], [[1]], [1], 16, ValueError, "kv_lens must be 1-D"),
+        ([[0]], 1, [1], 16, ValueError, "kv_lens must be 1-D"),
+        ([[0]], [2**70], [1], 16, ValueError, "kv_lens.*out of range"),
+        ([[0]], [1], [0.5], 16, TypeError, "qo_lens"),  # would plan the request without its query
+        ([[0]], [1], [True], 16, TypeError, "qo_lens.*bool"),
+        ([[0]], [1], [[1]], 16, ValueError, "qo_lens must be 1-D"),
+        ([[0, 1]], [2**31], [2**31], 2**30, ValueError, "qo_lens must sum"),
     ],
 )
-def test_invalid_input(tables: list, kv: list, qo: list, page_size: int, message: str) -> None:
-    with pytest.raises(ValueError, match=message):
+def test_invalid_input(tables: list, kv: list, qo: list, page_size: int, error: type, message: str) -> None:
+    with pytest.raises(error, match=message):
         CascadePlanner().plan(tables, kv, qo, page_size)
+
+
+def test_integer_inputs_of_any_width_and_container_plan_alike() -> None:
+    tables = np.array([np.arange(40), np.arange(40)])
+    reference = CascadePlanner(min_shared_tokens=16, min_saved_tokens=0).plan(tables, [640, 640], [1, 1], 16)
+    for t, kv, qo, ps in [
+        (tables.astype(np.uint16), np.array([640, 640], np.uint32), np.array([1, 1], np.int8), np.int64(16)),
+        ([row.tolist() for row in tables], (640, 640), (1, 1), 16),
+        (list(tables.astype(np.int64)), np.array([640, 640]), [1, 1], 16),
+    ]:
+        plan = CascadePlanner(min_shared_tokens=16, min_saved_tokens=0).plan(t, kv, qo, ps)
+        assert plan.page_size == 16 and type(plan.page_size) is int
+        assert len(plan.levels) == len(reference.levels) == 2
+        for got, want in zip(plan.levels, reference.levels, strict=True):
+            assert got.kv_indices.dtype == np.int32
+            assert got.kv_indices.tolist() == want.kv_indices.tolist()
+            assert got.qo_indptr.tolist() == want.qo_indptr.tolist()
 
 
 def test_invalid_cost_model() -> None:
