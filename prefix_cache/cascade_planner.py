@@ -216,8 +216,11 @@ def _int_vector(name: str, values: Sequence[int] | np.ndarray) -> np.ndarray:
     if arr.dtype.kind == "O" and all(type(v) is int for v in values):
         raise ValueError(f"{name} holds integers out of range")  # too large for any numpy int
     _check_int_dtype(name, arr)
-    if isinstance(values, list | tuple) and not _BOOL_TYPES.isdisjoint(map(type, values)):
-        raise TypeError(f"{name} must hold integers, got a bool")
+    if isinstance(values, list | tuple):
+        # numpy reads a bool among ints as 0 or 1, so only entries <= 1 can be one: look at those.
+        suspects = np.flatnonzero(arr <= 1).tolist()
+        if any(type(values[i]) in _BOOL_TYPES for i in suspects):
+            raise TypeError(f"{name} must hold integers, got a bool")
     return arr
 
 
