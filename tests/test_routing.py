@@ -89,6 +89,7 @@ def test_routers_over_zmq_on_a_multi_turn_workload() -> None:
             assert cluster.index.match(prompt) == [r.cache.match(prompt) for r in cluster.replicas]
         assert res.messages > 0 and res.event_bytes > res.messages * 8
         assert res.resyncs == 0
+        assert cluster.loads == [0, 0, 0]  # the router's count of outstanding requests drained
         assert sum(r.result.requests for r in cluster.replicas) == res.requests
         assert res.requests == sum(len(t.replies) for conv in conversations for t in conv.turns)
     best = results["prefix"].best_hit_rate
