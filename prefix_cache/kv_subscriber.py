@@ -90,8 +90,8 @@ class KVEventSubscriber:
         return self._streams[replica].expected
 
     def poll(self, timeout: float = 0.0) -> int:
-        """Apply every message waiting, waiting up to ``timeout`` seconds for the first; returns
-        the number of batches applied."""
+        """Apply every message waiting (until none is), waiting up to ``timeout`` seconds for the
+        first; returns the number of batches applied."""
         applied = 0
         wait_ms = int(timeout * 1000)
         while True:
@@ -128,7 +128,7 @@ class KVEventSubscriber:
             if now - quiet_since > 0.1:
                 for stream in behind:
                     stream.counters.gaps += 1
-                    self._recover(stream, targets[stream.replica])
+                    self._recover(stream)
                 quiet_since = now
             if self.poll(min(deadline - now, 0.02)):
                 quiet_since = time.monotonic()
@@ -160,7 +160,7 @@ class KVEventSubscriber:
         applied = 0
         if seq > stream.expected:
             stream.counters.gaps += 1
-            applied += self._recover(stream, seq)
+            applied += self._recover(stream)
             if seq < stream.expected:
                 return applied
             if seq > stream.expected:
@@ -168,7 +168,7 @@ class KVEventSubscriber:
         self._apply(stream, seq, frames[2], sum(len(f) for f in frames))
         return applied + 1
 
-    def _recover(self, stream: _Stream, seq: int) -> int:
+    def _recover(self, stream: _Stream) -> int:
         """Fetch the batches from ``stream.expected`` on from the replay service and apply them;
         resync where they start later than asked. Returns the batches applied."""
         if stream.replay_endpoint is None:
