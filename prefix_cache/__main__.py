@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from prefix_cache.replay.conversation import Workload
-from prefix_cache.replay.routing import ROUTERS
+from prefix_cache.replay.routing import MAX_REPLICAS, ROUTERS
 from prefix_cache.replay.simulator import SchedulerConfig, replay
 from prefix_cache.replay.synthetic import SyntheticConfig
 
@@ -165,6 +165,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.router is not None and args.replicas < 2:
         parser.error("--router needs --replicas 2 or more")
+    if args.replicas > MAX_REPLICAS:
+        parser.error(f"--replicas must be at most {MAX_REPLICAS}, got {args.replicas}")
     from prefix_cache.replay.report import format_report
 
     # tqdm bars only where someone watches them.

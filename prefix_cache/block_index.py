@@ -51,8 +51,8 @@ class BlockIndex:
     """
 
     def __init__(self, num_replicas: int, page_size: int) -> None:
-        if not isinstance(num_replicas, int) or isinstance(num_replicas, bool) or not 1 <= num_replicas <= 64:
-            raise ValueError(f"num_replicas must be an int in [1, 64], got {num_replicas!r}")
+        if not isinstance(num_replicas, int) or isinstance(num_replicas, bool) or num_replicas < 1:
+            raise ValueError(f"num_replicas must be an int >= 1, got {num_replicas!r}")
         if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
             raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
         self.num_replicas = num_replicas

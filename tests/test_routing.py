@@ -138,5 +138,8 @@ def test_cli_rejects_router_options(capsys: pytest.CaptureFixture[str]) -> None:
         main(["replay", "--replicas", "2", "--router", "random"])
     with pytest.raises(SystemExit):
         main(["replay", "--replicas", "0"])
+    with pytest.raises(SystemExit):
+        main(["replay", "--replicas", "65"])
+    assert "--replicas must be at most 64" in capsys.readouterr().err
     with pytest.raises(ValueError, match="replicas"):
         replay_cluster([], replace(CONFIG), 0, "prefix")

@@ -31,7 +31,7 @@ from prefix_cache.kv_publisher import KVEventPublisher
 from prefix_cache.kv_subscriber import KVEventSubscriber
 from prefix_cache.replay.conversation import Conversation, Workload
 from prefix_cache.replay.oracle import UnlimitedPrefixIndex
-from prefix_cache.replay.routing import make_router
+from prefix_cache.replay.routing import MAX_REPLICAS, make_router
 
 # The per-request and per-user state of the single-engine scheduler, reused as is.
 from prefix_cache.replay.simulator import Replay, SchedulerConfig, _Client, _Request, replay
@@ -151,8 +151,10 @@ class _Cluster:
     def run(self) -> ClusterResult:
         res = self.result
         start = time.perf_counter()
-        publishers = [KVEventPublisher(LOOPBACK, LOOPBACK) for _ in self.replicas]
+        publishers: list[KVEventPublisher] = []
         try:
+            for _ in self.replicas:
+                publishers.append(KVEventPublisher(LOOPBACK, LOOPBACK))
             with KVEventSubscriber(self.index) as subscriber:
                 for number, pub in enumerate(publishers):
                     subscriber.connect(number, pub.endpoint, pub.replay_endpoint)
@@ -208,8 +210,8 @@ def replay_cluster(
 ) -> ClusterResult:
     """Replay ``conversations`` over ``replicas`` replicas, each with ``config``'s pages and
     ``max_running``, behind ``router``; ``config.clients`` users in all."""
-    if not isinstance(replicas, int) or isinstance(replicas, bool) or not 1 <= replicas <= 64:
-        raise ValueError(f"replicas must be an int in [1, 64], got {replicas!r}")
+    if not isinstance(replicas, int) or isinstance(replicas, bool) or not 1 <= replicas <= MAX_REPLICAS:
+        raise ValueError(f"replicas must be an int in [1, {MAX_REPLICAS}], got {replicas!r}")
     return _Cluster(conversations, config, replicas, router, on_request_done).run()
 
 

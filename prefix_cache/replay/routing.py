@@ -25,6 +25,8 @@ from xxhash import xxh3_64_intdigest
 from prefix_cache.block_index import BlockIndex
 
 ROUTERS = ("round-robin", "least-loaded", "session", "prefix")
+#: The replay runs every replica in one process, in lockstep: a cap keeps a run bounded.
+MAX_REPLICAS = 64
 
 
 class Router(Protocol):
