@@ -140,7 +140,7 @@ class Engine:
 
 
 def recv_all(socket: zmq.Socket, timeout_ms: int = 2000) -> list[list[bytes]]:
-    """Every message that arrives until none has for ``timeout_ms``... or 50 ms once some came."""
+    """Every message that arrives until none has for ``timeout_ms`` (50 ms once some came)."""
     messages = []
     while socket.poll(timeout_ms if not messages else 50):
         messages.append(socket.recv_multipart())
@@ -185,7 +185,15 @@ def test_stream_and_replay_decode_to_the_cache_events_with_contiguous_seqs() -> 
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, b"kv-events")
         sub.connect(pub.endpoint)
-        time.sleep(0.3)  # let the subscription reach the PUB socket
+        # PUB drops what it sends before the subscription reaches it: send warm-up batches until
+        # one arrives, so that the batches under test all go out to an established subscriber.
+        while True:
+            pub.publish([AllBlocksCleared()])
+            if sub.poll(100):
+                break
+        pub.flush()
+        warmups = pub.next_seq
+        assert len(recv_all(sub, 100)) <= warmups
         produced = []
         for _ in range(60):
             events = engine.step()
@@ -194,27 +202,26 @@ def test_stream_and_replay_decode_to_the_cache_events_with_contiguous_seqs() -> 
             pub.publish(events)
         pub.flush()
         live = recv_all(sub)
-        replayed = replay_request(pub.replay_endpoint, 0)
+        replayed = replay_request(pub.replay_endpoint, warmups)
         sub.close()
     kinds = {type(e) for batch in produced for e in batch}
     assert kinds == {BlockStored, BlockRemoved, AllBlocksCleared}  # the workload covers every event
-    assert pub.published == len(produced) and pub.dropped == 0
+    assert pub.published == warmups + len(produced) and pub.dropped == 0
 
     decoder = msgspec.msgpack.Decoder(VKVEventBatch)
     expected = [[vllm_view(e) for e in batch] for batch in produced]
-    # Live: topic, 8-byte big-endian sequence numbers, a contiguous run ending at the last batch.
-    assert live and all(topic == b"kv-events" for topic, _, _ in live)
+    # Live: topic, 8-byte big-endian sequence numbers, contiguous, one message per batch.
+    assert all(topic == b"kv-events" for topic, _, _ in live)
     seqs = [int.from_bytes(seq, "big") for _, seq, _ in live]
-    assert seqs == list(range(len(produced) - len(live), len(produced)))
-    for (_, _, payload), seq in zip(live, seqs, strict=True):
+    assert seqs == list(range(warmups, warmups + len(produced)))
+    for (_, _, payload), events in zip(live, expected, strict=True):
         batch = decoder.decode(payload)
-        assert batch.events == expected[seq] and batch.data_parallel_rank == 0
+        assert batch.events == events and batch.data_parallel_rank == 0
         assert abs(batch.ts - time.time()) < 60
-    # Replay from 0: every batch in order, then the end marker (-1, empty payload).
+    # Replay from the first batch under test: each one again, in order, then the end marker.
     assert replayed[-1] == [b"", END_SEQ, b""]
-    assert [int.from_bytes(f[1], "big") for f in replayed[:-1]] == list(range(len(produced)))
-    assert [decoder.decode(f[2]).events for f in replayed[:-1]] == expected
-    assert [f[2] for f in replayed[-len(live) - 1 : -1]] == [p for _, _, p in live]
+    assert [int.from_bytes(f[1], "big") for f in replayed[:-1]] == seqs
+    assert [f[2] for f in replayed[:-1]] == [payload for _, _, payload in live]
 
 
 def test_payload_is_vllm_layout_field_for_field() -> None:
@@ -368,6 +375,8 @@ def test_subscriber_keeps_the_index_right_including_a_late_join() -> None:
         for _ in range(30):  # before anyone listens: PUB drops these, the replay buffer keeps them
             for pub, engine in zip(pubs, engines, strict=True):
                 pub.publish(engine.step())
+        for pub in pubs:
+            pub.flush()
         with KVEventSubscriber(index) as sub:
             for replica, pub in enumerate(pubs):
                 sub.connect(replica, pub.endpoint, pub.replay_endpoint)
@@ -477,9 +486,10 @@ def test_a_lost_message_is_replayed_or_resynced(serve_replay: bool) -> None:
         with KVEventSubscriber(index, replay_timeout=2.0) as sub:
             sub.connect(0, replica.endpoint, replica.replay_endpoint)
             time.sleep(0.3)
-            for seq in (0, 2):
-                replica.send(seq)
-            sub.wait_for({0: 3})
+            replica.send(0)
+            while sub.next_seq(0) < 3:  # until batch 2 got through (PUB drops it before the subscription)
+                replica.send(2)
+                sub.poll(0.1)
             counters = sub.counters(0)
     finally:
         replica.close()
