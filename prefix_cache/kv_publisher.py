@@ -2,21 +2,21 @@
 
 The engine hands over each step's events between steps (``publish(cache.drain_events())``); a
 background thread encodes them (:mod:`prefix_cache.kv_wire`), sends them on a PUB socket and keeps
-the last ``buffer_batches`` payloads for replay. A ROUTER socket answers replay requests the way
-vLLM's does: a request ``(identity, b"", start_seq)`` (8-byte big-endian) gets
+the last ``buffer_batches`` payloads for replay. A second thread serves a ROUTER socket that answers
+replay requests the way vLLM's does: a request ``(identity, b"", start_seq)`` (8-byte big-endian) gets
 ``(identity, b"", seq, payload)`` for every buffered batch with ``seq >= start_seq``, then
 ``(identity, b"", END_SEQ, b"")``.
 
-Nothing here blocks the engine: ``publish`` only appends to a bounded queue. Memory is bounded
-whatever the subscribers do: PUB drops messages for a subscriber more than ``hwm`` behind, the
-replay buffer holds ``buffer_batches`` payloads, and when the queue is full (the thread starved of
-CPU) ``publish`` drops the batch and counts it; its sequence number is spent, so subscribers see the
-gap and resynchronise.
+Nothing here blocks the engine: ``publish`` only appends to a bounded queue and notifies a
+condition, with no system call (a system call would hand the GIL to the woken thread mid-step).
+Memory is bounded whatever the subscribers do: PUB drops messages for a subscriber more than
+``hwm`` behind, the replay buffer holds ``buffer_batches`` payloads, and when the queue is full
+(the thread starved of CPU) ``publish`` drops the batch and counts it; its sequence number is
+spent, so subscribers see the gap and resynchronise.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections import deque
@@ -72,9 +72,6 @@ class KVEventPublisher:
         self._max_queue = max_queue_batches
         self._queue: deque[tuple[int, float, list[KVCacheEvent]] | None] = deque()
         self._lock = threading.Condition()
-        # The thread sleeps in zmq's poll on the replay socket and this pipe; publish wakes it.
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_w, False)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)
         self._next_seq = 0
         self.published = 0
@@ -97,8 +94,14 @@ class KVEventPublisher:
             self._close_sockets()
             raise
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name="kv-event-publisher", daemon=True)
+        self._thread = threading.Thread(target=self._send_loop, name="kv-event-publisher", daemon=True)
         self._thread.start()
+        self._replay_thread = None
+        if self._replay is not None:
+            self._replay_thread = threading.Thread(
+                target=self._replay_loop, name="kv-event-replay", daemon=True
+            )
+            self._replay_thread.start()
 
     @property
     def next_seq(self) -> int:
@@ -131,8 +134,7 @@ class KVEventPublisher:
                 self._lock.notify_all()
                 return False
             self._queue.append((seq, time.time(), events))
-            if len(self._queue) == 1:
-                os.write(self._wake_w, b"x")  # the thread may be asleep in poll
+            self._lock.notify_all()
         return True
 
     def flush(self, timeout: float = 10.0) -> None:
@@ -156,8 +158,10 @@ class KVEventPublisher:
         self._closed = True
         with self._lock:
             self._queue.append(None)
-            os.write(self._wake_w, b"x")
+            self._lock.notify_all()
         self._thread.join()
+        if self._replay_thread is not None:
+            self._replay_thread.join()
         self._close_sockets()
 
     def __enter__(self) -> KVEventPublisher:
@@ -172,24 +176,14 @@ class KVEventPublisher:
         self._pub.close(linger=0)
         if self._replay is not None:
             self._replay.close(linger=0)
-        os.close(self._wake_r)
-        os.close(self._wake_w)
 
-    def _run(self) -> None:
+    def _send_loop(self) -> None:
+        """The sender thread: the only user of the PUB socket."""
         encoder = msgspec.msgpack.Encoder()
-        poller = zmq.Poller()
-        poller.register(self._wake_r, zmq.POLLIN)
-        if self._replay is not None:
-            poller.register(self._replay, zmq.POLLIN)
         while True:
-            ready = dict(poller.poll())
-            if self._replay is not None and self._replay in ready:
-                while self._replay.poll(0):
-                    self._serve_replay()
-            if self._wake_r not in ready:
-                continue
-            os.read(self._wake_r, 4096)
             with self._lock:
+                while not self._queue:
+                    self._lock.wait()
                 items = list(self._queue)
                 self._queue.clear()
             for item in items:
@@ -198,11 +192,17 @@ class KVEventPublisher:
                 seq, ts, events = item
                 payload = encoder.encode(to_wire(events, ts, self._rank, self._layout))
                 self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), copy=False)
-                self._buffer.append((seq, payload))
                 with self._lock:
+                    self._buffer.append((seq, payload))
                     self.published += 1
                     self.bytes_sent += len(self._topic) + 8 + len(payload)
                     self._lock.notify_all()
+
+    def _replay_loop(self) -> None:
+        """The replay thread: the only user of the ROUTER socket; checks for close every 50 ms."""
+        while not self._closed:
+            if self._replay.poll(50):
+                self._serve_replay()
 
     def _serve_replay(self) -> None:
         frames = self._replay.recv_multipart()
@@ -210,9 +210,10 @@ class KVEventPublisher:
             return  # not a replay request: nothing to answer
         identity, _, start = frames
         start_seq = int.from_bytes(start, "big")
-        for seq, payload in list(self._buffer):
-            if seq >= start_seq:
-                self._replay.send_multipart((identity, b"", seq.to_bytes(8, "big"), payload))
+        with self._lock:
+            batches = [(seq, payload) for seq, payload in self._buffer if seq >= start_seq]
+        for seq, payload in batches:
+            self._replay.send_multipart((identity, b"", seq.to_bytes(8, "big"), payload))
         self._replay.send_multipart((identity, b"", END_SEQ, b""))
         self.replays += 1
 

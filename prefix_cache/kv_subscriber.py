@@ -5,7 +5,8 @@ Sequence numbers must follow each other; on a gap the subscriber asks the replic
 (vLLM's protocol: a DEALER sends ``(b"", start_seq)`` and reads ``(b"", seq, payload)`` frames up
 to the ``END_SEQ`` marker) for the batches it missed. When they cannot be had (no replay service,
 no answer within ``replay_timeout``, or the replay buffer no longer reaches back that far) it
-resynchronises: it forgets the replica's blocks and continues from the oldest batch it has. After a
+resynchronises: it forgets the replica's blocks and continues from the oldest batch it has (a
+payload that does not decode is handled the same way). After a
 resync the index under-reports that replica (blocks it held before and still holds are not known
 until stored again): a missed hit, never a false one.
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import msgspec
 import zmq
 
 from prefix_cache.block_index import BlockIndex
@@ -27,13 +29,15 @@ from prefix_cache.kv_wire import END_SEQ, BatchDecoder
 @dataclass
 class StreamCounters:
     """What one replica's stream delivered: batches and bytes (all frames) applied, gaps seen,
-    replay requests made, resyncs (state forgotten)."""
+    replay requests made, resyncs (state forgotten), payloads that did not decode (each one a
+    resync)."""
 
     batches: int = 0
     bytes: int = 0
     gaps: int = 0
     replays: int = 0
     resyncs: int = 0
+    malformed: int = 0
 
 
 class _Stream:
@@ -203,7 +207,13 @@ class KVEventSubscriber:
         self.index.clear(stream.replica)
 
     def _apply(self, stream: _Stream, seq: int, payload: bytes, size: int) -> None:
-        _, events, _ = self._decoder.decode(payload)
+        try:
+            _, events, _ = self._decoder.decode(payload)
+        except msgspec.MsgspecError:
+            # The batch's events are unknown, as if it had been lost for good.
+            stream.counters.malformed += 1
+            self._resync(stream)
+            events = []
         self.index.apply(stream.replica, events)
         stream.expected = seq + 1
         stream.counters.batches += 1

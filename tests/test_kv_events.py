@@ -509,3 +509,28 @@ def test_block_hashes_of_a_prompt_are_its_prefix_chain() -> None:
     full = block_hashes(tokens, 8)
     assert len(full) == 5 and block_hashes(tokens[:20], 8) == full[:2]
     assert block_hashes(tokens, 8, num_pages=3) == full[:3]
+
+
+def test_a_payload_that_does_not_decode_resyncs_the_replica() -> None:
+    a, b = block_hashes(list(range(8)), 4), block_hashes(list(range(100, 108)), 4)
+    batches = {
+        0: vllm_payload([VBlockStored(a, None, list(range(8)), 4, None, "GPU", None)]),
+        1: b"\xc1 not msgpack",
+        2: vllm_payload([VBlockStored(b, None, list(range(100, 108)), 4, None, "GPU", None)]),
+    }
+    replica = FakeReplica(batches)
+    index = BlockIndex(num_replicas=1, page_size=4)
+    try:
+        with KVEventSubscriber(index) as sub:
+            sub.connect(0, replica.endpoint, replica.replay_endpoint)
+            time.sleep(0.3)
+            for seq in (0, 1):
+                replica.send(seq)
+            while sub.next_seq(0) < 3:
+                replica.send(2)
+                sub.poll(0.1)
+            counters = sub.counters(0)
+    finally:
+        replica.close()
+    assert counters.malformed == 1 and counters.resyncs >= 1
+    assert index.match(list(range(9))) == [0] and index.match(list(range(100, 109))) == [8]
