@@ -66,6 +66,14 @@ class KVEventPublisher:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if layout not in ("map", "array"):
             raise ValueError(f"layout must be 'map' or 'array', got {layout!r}")
+        if (
+            not isinstance(data_parallel_rank, int)
+            or isinstance(data_parallel_rank, bool)
+            or data_parallel_rank < 0
+        ):
+            raise ValueError(f"data_parallel_rank must be an int >= 0, got {data_parallel_rank!r}")
+        if not isinstance(topic, str):
+            raise TypeError(f"topic must be a str, got {type(topic).__name__}")
         self._topic = topic.encode("utf-8")
         self._rank = data_parallel_rank
         self._layout: Layout = layout
@@ -170,7 +178,7 @@ class KVEventPublisher:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ------------------------------------------------------------------ the thread
+    # ------------------------------------------------------------------ the threads
 
     def _close_sockets(self) -> None:
         self._pub.close(linger=0)

@@ -287,6 +287,8 @@ def test_publish_rejects_bad_input_and_never_blocks() -> None:
         KVEventPublisher(LOOPBACK, buffer_batches=0)
     with pytest.raises(ValueError, match="layout"):
         KVEventPublisher(LOOPBACK, layout="json")
+    with pytest.raises(ValueError, match="data_parallel_rank"):
+        KVEventPublisher(LOOPBACK, data_parallel_rank=-1)
     with KVEventPublisher(LOOPBACK, max_queue_batches=2) as pub:
         with pytest.raises(TypeError, match="events must hold"):
             pub.publish([BlockRemoved([1]), "stored"])
