@@ -78,7 +78,11 @@ class KVEventPublisher:
         self._rank = data_parallel_rank
         self._layout: Layout = layout
         self._max_queue = max_queue_batches
+        # publish() appends (deque appends are atomic) and sets _wake; it takes no lock the threads
+        # hold, so the engine never waits for a thread that lost the GIL while holding one.
         self._queue: deque[tuple[int, float, list[KVCacheEvent]] | None] = deque()
+        self._wake = threading.Event()
+        # Guards the replay buffer and the counters the threads update; flush waits on it.
         self._lock = threading.Condition()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)
         self._next_seq = 0
@@ -134,15 +138,13 @@ class KVEventPublisher:
                 )
         if not events:
             return True
-        with self._lock:
-            seq = self._next_seq
-            self._next_seq += 1
-            if len(self._queue) >= self._max_queue:
-                self.dropped += 1
-                self._lock.notify_all()
-                return False
-            self._queue.append((seq, time.time(), events))
-            self._lock.notify_all()
+        seq = self._next_seq
+        self._next_seq = seq + 1
+        if len(self._queue) >= self._max_queue:
+            self.dropped += 1
+            return False
+        self._queue.append((seq, time.time(), events))
+        self._wake.set()
         return True
 
     def flush(self, timeout: float = 10.0) -> None:
@@ -164,9 +166,8 @@ class KVEventPublisher:
         if self._closed:
             return
         self._closed = True
-        with self._lock:
-            self._queue.append(None)
-            self._lock.notify_all()
+        self._queue.append(None)
+        self._wake.set()
         self._thread.join()
         if self._replay_thread is not None:
             self._replay_thread.join()
@@ -189,12 +190,10 @@ class KVEventPublisher:
         """The sender thread: the only user of the PUB socket."""
         encoder = msgspec.msgpack.Encoder()
         while True:
-            with self._lock:
-                while not self._queue:
-                    self._lock.wait()
-                items = list(self._queue)
-                self._queue.clear()
-            for item in items:
+            self._wake.wait()
+            self._wake.clear()  # before draining: a batch queued from here on sets it again
+            while self._queue:
+                item = self._queue.popleft()
                 if item is None:
                     return
                 seq, ts, events = item
