@@ -16,6 +16,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from prefix_cache.replay.conversation import Workload
+from prefix_cache.replay.routing import MAX_REPLICAS, ROUTERS
 from prefix_cache.replay.simulator import SchedulerConfig, replay
 from prefix_cache.replay.synthetic import SyntheticConfig
 
@@ -54,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_workload_options(rep)
     _add_engine_options(rep)
+    _add_routing_options(rep.add_argument_group("replicas behind a router"))
     _add_synthetic_options(rep.add_argument_group("synthetic workload"))
     rep.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
     # Option errors found after parsing end the run the way argparse's own do, with replay's usage.
@@ -127,6 +129,23 @@ def _add_engine_options(rep: argparse.ArgumentParser) -> None:
         metavar="N",
         default=128,
         help="users replaying conversations concurrently, each one turn at a time (default: %(default)s)",
+    )
+
+
+def _add_routing_options(routing: argparse._ArgumentGroup) -> None:
+    routing.add_argument(
+        "--replicas",
+        type=int_in(1, MAX_REPLICAS),
+        metavar="N",
+        default=1,
+        help="engine replicas, each with its own --num-pages and --max-running (default: %(default)s)",
+    )
+    routing.add_argument(
+        "--router",
+        nargs="+",
+        choices=ROUTERS,
+        default=None,
+        help="routers to compare with --replicas 2 or more (default: all)",
     )
 
 
@@ -206,6 +225,8 @@ def _check_fits(args: argparse.Namespace, workload: Workload) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``prefix-cache`` console script; returns the exit status."""
     args = build_parser().parse_args(argv)
+    if args.router is not None and args.replicas < 2:
+        args.fail("argument --router: needs --replicas 2 or more")
     from prefix_cache.replay.report import format_report
 
     # tqdm bars only where someone watches them.
@@ -218,6 +239,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = SchedulerConfig(
         num_pages=args.num_pages, page_size=args.page_size, max_running=args.max_running, clients=args.clients
     )
+    if args.replicas > 1:
+        from prefix_cache.replay.cluster import compare_routers
+
+        print(compare_routers(workload, config, args.replicas, args.router or ROUTERS, progress))
+        return 0
     _, result = replay(workload.conversations, config, progress=progress)
     print(format_report(workload, config, result))
     return 0

@@ -8,4 +8,5 @@
 - ``simulator``: the continuous-batching scheduler that drives a ``PrefixCache`` and times it.
 - ``oracle``: the best possible hits, from a page index that never evicts.
 - ``report``: the text report.
+- ``routing``, ``cluster``: several replicas behind a router, events over ZMQ (``--replicas``).
 """

@@ -1,0 +1,236 @@
+"""``KVEventPublisher``: a cache's events over ZMQ in vLLM's format, with vLLM's replay service.
+
+The engine hands over each step's events between steps (``publish(cache.drain_events())``); a
+background thread encodes them (:mod:`prefix_cache.kv_wire`), sends them on a PUB socket and keeps
+the last ``buffer_batches`` payloads for replay. A second thread serves a ROUTER socket that answers
+replay requests the way vLLM's does: a request ``(identity, b"", start_seq)`` (8-byte big-endian) gets
+``(identity, b"", seq, payload)`` for every buffered batch with ``seq >= start_seq``, then
+``(identity, b"", END_SEQ, b"")``.
+
+Nothing here blocks the engine: ``publish`` only appends to a bounded queue and notifies a
+condition, with no system call (a system call would hand the GIL to the woken thread mid-step).
+Memory is bounded whatever the subscribers do: PUB drops messages for a subscriber more than
+``hwm`` behind, the replay buffer holds ``buffer_batches`` payloads, and when the queue is full
+(the thread starved of CPU) ``publish`` drops the batch and counts it; its sequence number is
+spent, so subscribers see the gap and resynchronise.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+import msgspec
+import zmq
+
+from prefix_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from prefix_cache.kv_wire import END_SEQ, Layout, to_wire
+
+_EVENT_TYPES = (BlockStored, BlockRemoved, AllBlocksCleared)
+
+
+class KVEventPublisher:
+    """Publishes batches of KV events on ``endpoint`` (PUB) and replays them on ``replay_endpoint``.
+
+    Arguments:
+        endpoint: ZMQ address the PUB socket binds, e.g. ``"tcp://*:5557"``; a port of 0 (``"tcp://
+            127.0.0.1:0"``) picks a free one, see ``self.endpoint``.
+        replay_endpoint: address the ROUTER socket binds, or None for no replay service.
+        topic: first frame of every message.
+        data_parallel_rank: the rank written into every batch.
+        buffer_batches: batches kept for replay (vLLM's ``buffer_steps``).
+        max_queue_batches: batches waiting for the thread before ``publish`` drops them.
+        hwm: the PUB socket's send high-water mark, in messages per subscriber.
+        layout: ``"array"`` (batch and events as msgpack arrays, the format vLLM's routers and
+            llm-d's indexer decode) or ``"map"`` (batch and events as maps, vLLM's current
+            ``kv_events.py``); see :mod:`prefix_cache.kv_wire`.
+
+    Counters (read any time): ``published`` batches sent, ``bytes_sent`` bytes sent (all three frames),
+    ``dropped`` batches dropped because the queue was full, ``replays`` requests answered.
+    Use as a context manager, or call ``close``.
+    """
+
+    def __init__(
+        self,
+        endpoint: str = "tcp://*:5557",
+        replay_endpoint: str | None = None,
+        *,
+        topic: str = "",
+        data_parallel_rank: int = 0,
+        buffer_batches: int = 10_000,
+        max_queue_batches: int = 10_000,
+        hwm: int = 100_000,
+        layout: Layout = "array",
+    ) -> None:
+        for name, value in (("buffer_batches", buffer_batches), ("max_queue_batches", max_queue_batches)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if layout not in ("map", "array"):
+            raise ValueError(f"layout must be 'map' or 'array', got {layout!r}")
+        if (
+            not isinstance(data_parallel_rank, int)
+            or isinstance(data_parallel_rank, bool)
+            or data_parallel_rank < 0
+        ):
+            raise ValueError(f"data_parallel_rank must be an int >= 0, got {data_parallel_rank!r}")
+        if not isinstance(topic, str):
+            raise TypeError(f"topic must be a str, got {type(topic).__name__}")
+        self._topic = topic.encode("utf-8")
+        self._rank = data_parallel_rank
+        self._layout: Layout = layout
+        self._max_queue = max_queue_batches
+        # publish() appends (deque appends are atomic) and sets _wake; it takes no lock the threads
+        # hold, so the engine never waits for a thread that lost the GIL while holding one.
+        self._queue: deque[tuple[int, float, list[KVCacheEvent]] | None] = deque()
+        self._wake = threading.Event()
+        # Guards the replay buffer and the counters the threads update; flush waits on it.
+        self._lock = threading.Condition()
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)
+        self._next_seq = 0
+        self.published = 0
+        self.bytes_sent = 0
+        self.dropped = 0
+        self.replays = 0
+        self._ctx = zmq.Context.instance()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._replay = None
+        try:
+            self._pub.setsockopt(zmq.SNDHWM, hwm)
+            self._pub.setsockopt(zmq.LINGER, 0)
+            self.endpoint = _bind(self._pub, endpoint)
+            self.replay_endpoint = None
+            if replay_endpoint is not None:
+                self._replay = self._ctx.socket(zmq.ROUTER)
+                self._replay.setsockopt(zmq.LINGER, 0)
+                self.replay_endpoint = _bind(self._replay, replay_endpoint)
+        except Exception:
+            self._close_sockets()
+            raise
+        self._closed = False
+        self._thread = threading.Thread(target=self._send_loop, name="kv-event-publisher", daemon=True)
+        self._thread.start()
+        self._replay_thread = None
+        if self._replay is not None:
+            self._replay_thread = threading.Thread(
+                target=self._replay_loop, name="kv-event-replay", daemon=True
+            )
+            self._replay_thread.start()
+
+    @property
+    def next_seq(self) -> int:
+        """The sequence number the next ``publish`` will take (batches handed over so far)."""
+        return self._next_seq
+
+    def publish(self, events: list[KVCacheEvent]) -> bool:
+        """Queue one batch (the events of one engine step, oldest first) and return at once.
+
+        An empty list is not published (it would spend a sequence number on nothing). Returns False
+        when the batch was dropped because the queue is full.
+        """
+        if self._closed:
+            raise RuntimeError("the publisher is closed")
+        if not isinstance(events, list):
+            raise TypeError(f"events must be a list, got {type(events).__name__}")
+        for event in events:
+            if type(event) not in _EVENT_TYPES:
+                raise TypeError(
+                    "events must hold BlockStored, BlockRemoved or AllBlocksCleared, "
+                    f"got {type(event).__name__}"
+                )
+        if not events:
+            return True
+        seq = self._next_seq
+        self._next_seq = seq + 1
+        if len(self._queue) >= self._max_queue:
+            self.dropped += 1
+            return False
+        self._queue.append((seq, time.time(), events))
+        self._wake.set()
+        return True
+
+    def flush(self, timeout: float = 10.0) -> None:
+        """Wait until every batch handed to ``publish`` so far has been sent (or dropped);
+        TimeoutError after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            target = self._next_seq
+            while self.published + self.dropped < target:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._thread.is_alive():
+                    raise TimeoutError(
+                        f"{target - self.published - self.dropped} batches unsent after {timeout} s"
+                    )
+                self._lock.wait(min(left, 0.05))
+
+    def close(self) -> None:
+        """Send what is queued, stop the thread and close the sockets. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.append(None)
+        self._wake.set()
+        self._thread.join()
+        if self._replay_thread is not None:
+            self._replay_thread.join()
+        self._close_sockets()
+
+    def __enter__(self) -> KVEventPublisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ the threads
+
+    def _close_sockets(self) -> None:
+        self._pub.close(linger=0)
+        if self._replay is not None:
+            self._replay.close(linger=0)
+
+    def _send_loop(self) -> None:
+        """The sender thread: the only user of the PUB socket."""
+        encoder = msgspec.msgpack.Encoder()
+        while True:
+            self._wake.wait()
+            self._wake.clear()  # before draining: a batch queued from here on sets it again
+            while self._queue:
+                item = self._queue.popleft()
+                if item is None:
+                    return
+                seq, ts, events = item
+                payload = encoder.encode(to_wire(events, ts, self._rank, self._layout))
+                self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), copy=False)
+                with self._lock:
+                    self._buffer.append((seq, payload))
+                    self.published += 1
+                    self.bytes_sent += len(self._topic) + 8 + len(payload)
+                    self._lock.notify_all()
+
+    def _replay_loop(self) -> None:
+        """The replay thread: the only user of the ROUTER socket; checks for close every 50 ms."""
+        while not self._closed:
+            if self._replay.poll(50):
+                self._serve_replay()
+
+    def _serve_replay(self) -> None:
+        frames = self._replay.recv_multipart()
+        if len(frames) != 3 or len(frames[2]) != 8:
+            return  # not a replay request: nothing to answer
+        identity, _, start = frames
+        start_seq = int.from_bytes(start, "big")
+        with self._lock:
+            batches = [(seq, payload) for seq, payload in self._buffer if seq >= start_seq]
+        for seq, payload in batches:
+            self._replay.send_multipart((identity, b"", seq.to_bytes(8, "big"), payload))
+        self._replay.send_multipart((identity, b"", END_SEQ, b""))
+        self.replays += 1
+
+
+def _bind(socket: zmq.Socket, endpoint: str) -> str:
+    """Bind ``socket``; the address actually bound (the port filled in when ``endpoint`` asked for 0)."""
+    if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
+        port = socket.bind_to_random_port(endpoint[: -len(":0")])
+        return f"{endpoint[: -len(':0')]}:{port}"
+    socket.bind(endpoint)
+    return endpoint

@@ -1,0 +1,209 @@
+"""The router's side: the documented block hash, the block index, and the subscriber that feeds it
+from ZMQ streams with gap recovery."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from test_kv_events_helpers import (
+    LOOPBACK,
+    Engine,
+    FakeReplica,
+    VBlockRemoved,
+    VBlockStored,
+    vllm_payload,
+)
+from xxhash import xxh3_64_intdigest
+
+from prefix_cache.block_index import BlockIndex, block_hashes
+from prefix_cache.cache import PrefixCache
+from prefix_cache.events import AllBlocksCleared, BlockRemoved, BlockStored
+from prefix_cache.kv_publisher import KVEventPublisher
+from prefix_cache.kv_subscriber import KVEventSubscriber
+
+# ---------------------------------------------------------------------- the hash and the index
+
+
+def documented_hashes(tokens: list[int], page_size: int, namespace: object) -> list[int]:
+    """The block hash as README.md documents it, written from the text alone."""
+    if namespace is None:
+        key = xxh3_64_intdigest(b"prefix-cache:none")
+    elif isinstance(namespace, str):
+        key = xxh3_64_intdigest(b"prefix-cache:s:" + namespace.encode("utf-8"))
+    elif isinstance(namespace, bytes):
+        key = xxh3_64_intdigest(b"prefix-cache:b:" + namespace)
+    else:
+        key = xxh3_64_intdigest(b"prefix-cache:i:" + str(namespace).encode("ascii"))
+    keys = []
+    for start in range(0, len(tokens) - page_size + 1, page_size):
+        page = b"".join(t.to_bytes(4, "little") for t in tokens[start : start + page_size])
+        key = xxh3_64_intdigest(page, seed=key)
+        keys.append(key)
+    return keys
+
+
+@pytest.mark.parametrize("namespace", [None, "tenant-a", b"salt", 7])
+def test_published_hashes_follow_the_documented_recipe(namespace) -> None:
+    tokens = [128000, 9906, 1917, 0, 5, 70000, 3, 3, 12, 99, 100]
+    cache = PrefixCache(num_pages=8, page_size=3)
+    seq = cache.open(tokens, namespace)
+    cache.allocate(seq, len(tokens))
+    cache.commit(seq, tokens)
+    (stored,) = cache.drain_events()
+    assert stored.block_hashes == documented_hashes(tokens, 3, namespace)
+    assert block_hashes(tokens, 3, namespace) == documented_hashes(tokens, 3, namespace)
+
+
+def test_index_matches_each_cache() -> None:
+    engines = [Engine(seed) for seed in (2, 3, 4)]
+    for engine in engines[1:]:  # shared starting prompts, so replicas hold some blocks in common
+        engine.prompts = engines[0].prompts
+    index = BlockIndex(num_replicas=3, page_size=4)
+    for _ in range(150):
+        for replica, engine in enumerate(engines):
+            index.apply(replica, engine.step())
+        probes = engines[0].probes(3)
+        for tokens, namespace in probes:
+            assert index.match(tokens, namespace) == [e.cache.match(tokens, namespace) for e in engines]
+    assert sum(index.num_blocks(r) for r in range(3)) > 20
+
+
+def test_index_rejects_bad_input_unchanged() -> None:
+    index = BlockIndex(num_replicas=2, page_size=4)
+    index.apply(0, [BlockStored(block_hashes(list(range(8)), 4), None, list(range(8)), 4)])
+    with pytest.raises(ValueError, match="replica"):
+        index.apply(2, [])
+    with pytest.raises(ValueError, match="blocks of 2 tokens"):
+        index.apply(1, [BlockRemoved([1]), BlockStored([1], None, [1, 2], 2)])
+    with pytest.raises(ValueError, match="num_replicas"):
+        BlockIndex(num_replicas=0, page_size=4)
+    assert index.match(list(range(9))) == [8, 0]
+    assert index.match(list(range(9)), namespace="other") == [0, 0]
+
+
+def test_block_hashes_of_a_prompt_are_its_prefix_chain() -> None:
+    tokens = np.arange(40, dtype=np.int32)
+    full = block_hashes(tokens, 8)
+    assert len(full) == 5 and block_hashes(tokens[:20], 8) == full[:2]
+    assert block_hashes(tokens, 8, num_pages=3) == full[:3]
+
+
+# ---------------------------------------------------------------------- streams into the index
+
+
+def test_subscriber_keeps_the_index_right_including_a_late_join() -> None:
+    engines = [Engine(seed) for seed in (5, 6)]
+    index = BlockIndex(num_replicas=2, page_size=4)
+    pubs = [KVEventPublisher(LOOPBACK, LOOPBACK) for _ in engines]
+    try:
+        for _ in range(30):  # before anyone listens: PUB drops these, the replay buffer keeps them
+            for pub, engine in zip(pubs, engines, strict=True):
+                pub.publish(engine.step())
+        for pub in pubs:
+            pub.flush()
+        with KVEventSubscriber(index) as sub:
+            for replica, pub in enumerate(pubs):
+                sub.connect(replica, pub.endpoint, pub.replay_endpoint)
+            time.sleep(0.2)
+            for _ in range(60):
+                for pub, engine in zip(pubs, engines, strict=True):
+                    pub.publish(engine.step())
+                sub.wait_for({r: pub.next_seq for r, pub in enumerate(pubs)})
+                for tokens, namespace in engines[0].probes(2) + engines[1].probes(2):
+                    assert index.match(tokens, namespace) == [
+                        e.cache.match(tokens, namespace) for e in engines
+                    ]
+            for replica in range(2):
+                counters = sub.counters(replica)
+                assert counters.gaps >= 1 and counters.replays >= 1 and counters.resyncs == 0
+                assert counters.batches == pubs[replica].next_seq
+    finally:
+        for pub in pubs:
+            pub.close()
+
+
+def test_subscriber_resyncs_when_the_replay_buffer_is_too_short() -> None:
+    engine = Engine(seed=7)
+    index = BlockIndex(num_replicas=1, page_size=4)
+    with KVEventPublisher(LOOPBACK, LOOPBACK, buffer_batches=3) as pub, KVEventSubscriber(index) as sub:
+        for _ in range(30):
+            pub.publish(engine.step())
+        pub.flush()
+        sub.connect(0, pub.endpoint, pub.replay_endpoint)
+        for _ in range(40):
+            pub.publish(engine.step())
+            sub.wait_for({0: pub.next_seq})
+            for tokens, namespace in engine.probes(3):
+                # Blocks stored before the oldest replayed batch are unknown: never more than the cache.
+                assert index.match(tokens, namespace)[0] <= engine.cache.match(tokens, namespace)
+        assert sub.counters(0).resyncs == 1
+        engine.cache.reset()  # AllBlocksCleared: from here on the index is exact again
+        events = engine.cache.drain_events()
+        assert events == [AllBlocksCleared()]
+        pub.publish(events)
+        for _ in range(20):
+            pub.publish(engine.step())
+        sub.wait_for({0: pub.next_seq})
+        for tokens, namespace in engine.probes(10):
+            assert index.match(tokens, namespace) == [engine.cache.match(tokens, namespace)]
+
+
+@pytest.mark.parametrize("serve_replay", [True, False])
+def test_a_lost_message_is_replayed_or_resynced(serve_replay: bool) -> None:
+    a, b = block_hashes(list(range(8)), 4), block_hashes(list(range(100, 108)), 4)
+    batches = {
+        0: vllm_payload([VBlockStored(a, None, list(range(8)), 4, None, "GPU", None)]),
+        1: vllm_payload([VBlockRemoved([a[1]], "GPU")]),  # lost on the way
+        2: vllm_payload(
+            [VBlockStored(b, None, list(range(100, 108)), 4, None, "GPU", None, extra_keys=[None])]
+        ),
+    }
+    replica = FakeReplica(batches, serve_replay)
+    index = BlockIndex(num_replicas=1, page_size=4)
+    try:
+        with KVEventSubscriber(index, replay_timeout=2.0) as sub:
+            sub.connect(0, replica.endpoint, replica.replay_endpoint)
+            time.sleep(0.3)
+            replica.send(0)
+            while sub.next_seq(0) < 3:  # until batch 2 got through (PUB drops it before the subscription)
+                replica.send(2)
+                sub.poll(0.1)
+            counters = sub.counters(0)
+    finally:
+        replica.close()
+    assert counters.gaps >= 1
+    if serve_replay:
+        # Batch 1 recovered: page 2 of prompt a was removed, prompt b is cached.
+        assert index.match(list(range(9))) == [4] and index.match(list(range(100, 109))) == [8]
+        assert counters.resyncs == 0 and replica.requests
+    else:
+        # Nothing to recover from: the replica's state is forgotten and rebuilt from batch 2 on.
+        assert index.match(list(range(9))) == [0] and index.match(list(range(100, 109))) == [8]
+        assert counters.resyncs == 1
+
+
+def test_a_payload_that_does_not_decode_resyncs_the_replica() -> None:
+    a, b = block_hashes(list(range(8)), 4), block_hashes(list(range(100, 108)), 4)
+    batches = {
+        0: vllm_payload([VBlockStored(a, None, list(range(8)), 4, None, "GPU", None)]),
+        1: b"\xc1 not msgpack",
+        2: vllm_payload([VBlockStored(b, None, list(range(100, 108)), 4, None, "GPU", None)]),
+    }
+    replica = FakeReplica(batches)
+    index = BlockIndex(num_replicas=1, page_size=4)
+    try:
+        with KVEventSubscriber(index) as sub:
+            sub.connect(0, replica.endpoint, replica.replay_endpoint)
+            time.sleep(0.3)
+            for seq in (0, 1):
+                replica.send(seq)
+            while sub.next_seq(0) < 3:
+                replica.send(2)
+                sub.poll(0.1)
+            counters = sub.counters(0)
+    finally:
+        replica.close()
+    assert counters.malformed == 1 and counters.resyncs >= 1
+    assert index.match(list(range(9))) == [0] and index.match(list(range(100, 109))) == [8]
