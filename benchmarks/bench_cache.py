@@ -7,7 +7,8 @@ running request (``allocate(seq, 1)`` + ``commit(seq, [token])``); per finished 
 (``close``). Also: block hashing throughput, host memory per cached page, and the hit rate against
 the best possible. Prints a table and writes it, with the machine and versions, to a Markdown file.
 
-    python benchmarks/bench_cache.py                  # writes benchmarks/results/cache_sharegpt.md
+    python benchmarks/bench_cache.py                  # writes benchmarks/results/local/cache_sharegpt.md
+    python benchmarks/bench_cache.py --output benchmarks/results/cache_sharegpt.md   # the committed one
     python benchmarks/bench_cache.py --profile        # adds the cProfile hot spots of one replay
 """
 
@@ -37,7 +38,8 @@ from prefix_cache.replay.simulator import ReplayResult, SchedulerConfig, replay
 from prefix_cache.replay.workloads import sharegpt_workload
 from prefix_cache.sequence import Sequence
 
-RESULTS = Path(__file__).resolve().parent / "results" / "cache_sharegpt.md"
+# Git-ignored: a plain run never overwrites the committed results file next to it.
+RESULTS = Path(__file__).resolve().parent / "results" / "local" / "cache_sharegpt.md"
 
 #: Targets in µs: admission per request, decode per running request per step, close per request.
 TARGETS = {"admission": 50.0, "decode": 1.0, "close": 20.0}
@@ -198,13 +200,26 @@ def machine() -> dict[str, str]:
     }
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--conversations", type=int, default=1000, help="ShareGPT conversations (default 1000)"
+        "--conversations", type=positive_int, default=1000, help="ShareGPT conversations (default 1000)"
     )
-    parser.add_argument("--num-pages", type=int, default=16384, help="pages in the pool (default 16384)")
-    parser.add_argument("--repeats", type=int, default=5, help="replays timed (default 5)")
+    parser.add_argument(
+        "--num-pages", type=positive_int, default=16384, help="pages in the pool (default 16384)"
+    )
+    parser.add_argument("--repeats", type=positive_int, default=5, help="replays timed, >= 1 (default 5)")
     parser.add_argument("--profile", action="store_true", help="add a cProfile of one replay")
     parser.add_argument("--output", type=Path, default=RESULTS, help=f"results file (default {RESULTS})")
     args = parser.parse_args(argv)

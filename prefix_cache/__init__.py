@@ -6,7 +6,7 @@ run such a plan live in ``prefix_cache.attention`` (``create_backend("torch" | "
 "flashinfer")``); they need torch, the bookkeeping here does not import it.
 """
 
-from prefix_cache.cache import OutOfPages, PrefixCache, PrefixCacheError
+from prefix_cache.cache import ConcurrentUseError, OutOfPages, PrefixCache, PrefixCacheError
 from prefix_cache.cascade import CascadeLevel, CascadePlan
 from prefix_cache.cascade_planner import CascadePlanner
 from prefix_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
@@ -21,6 +21,7 @@ __all__ = [
     "CascadeLevel",
     "CascadePlan",
     "CascadePlanner",
+    "ConcurrentUseError",
     "KVCacheEvent",
     "OutOfPages",
     "PrefixCache",

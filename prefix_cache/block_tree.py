@@ -10,8 +10,10 @@ token bytes (the dict's hash finds the candidate, its equality test confirms it)
 page costs about two memory accesses (the node and its tokens), which is what the walk is bound by.
 
 Every node also has a key, the chained block hash of ``prefix_cache.hashing``: the identity that
-events publish. ``BlockTree.index`` maps each key to its node so keys stay unique; a second block
-whose key is taken (a hash collision) is simply not cached.
+events publish. Each root's ``index`` maps the keys of its namespace's nodes to the nodes, so keys
+stay unique within a namespace; a second block whose key is taken there (a hash collision) is
+simply not cached. The index is per namespace because namespace seeds are public: a tenant who
+crafts colliding blocks can only stop its own blocks from being cached, never another tenant's.
 
 A live sequence holds one reference on every node of its cached path, so a node's ``ref`` is the
 number of live sequences through it, and a node with ``ref == 0`` has only ``ref == 0``
@@ -33,8 +35,9 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 
-from prefix_cache.hashing import HashFn, Namespace, namespace_seed
+from prefix_cache.hashing import HashFn, Namespace, default_hash_fn, namespace_seed
 
+_KEY_LIMIT = 2**64
 # Rebuild the heap when it holds more than this many entries beyond twice the live ones.
 _HEAP_SLACK = 1024
 
@@ -47,6 +50,7 @@ class Node:
     child: the only cached node whose parent this is, when there is exactly one; else None.
     children: when there are two or more such nodes, they by their ``tokens``; else None.
     page: page id in the KV pool, -1 for a root.
+    root: the root of the node's namespace (a root's is itself).
     tokens: the page's tokens as int32 bytes.
     ref: live sequences holding this node (for a root: live sequences in its namespace).
     tick: when the node was last released, for LRU order.
@@ -54,11 +58,12 @@ class Node:
         of its entry in ``BlockTree.older``, -1 not a candidate.
     """
 
-    __slots__ = ("child", "children", "key", "lru_serial", "page", "parent", "ref", "tick", "tokens")
+    __slots__ = ("child", "children", "key", "lru_serial", "page", "parent", "ref", "root", "tick", "tokens")
 
-    def __init__(self, key: int, parent: Node | None, page: int, tokens: bytes) -> None:
+    def __init__(self, key: int, parent: Node | None, page: int, tokens: bytes, root: Root | None) -> None:
         self.key = key
         self.parent = parent
+        self.root = root
         self.child: Node | None = None
         self.children: dict[bytes, Node] | None = None
         self.page = page
@@ -82,14 +87,17 @@ class Node:
 
 
 class Root(Node):
-    """The root of one namespace: no page, and it remembers the namespace it belongs to."""
+    """The root of one namespace: no page; it knows its namespace and indexes its nodes by key."""
 
-    __slots__ = ("namespace",)
+    __slots__ = ("index", "namespace")
 
     def __init__(self, namespace: Namespace) -> None:
-        super().__init__(namespace_seed(namespace), None, -1, b"")
+        super().__init__(namespace_seed(namespace), None, -1, b"", None)
+        self.root = self
         self.ref = 0
         self.namespace = namespace
+        #: Every cached node of this namespace by key.
+        self.index: dict[int, Node] = {}
 
 
 class BlockTree:
@@ -101,9 +109,9 @@ class BlockTree:
 
     def __init__(self, hash_fn: HashFn) -> None:
         self.hash_fn = hash_fn
+        # Keys from a caller's hash function are checked; the default's need not be.
+        self._check_keys = hash_fn is not default_hash_fn
         self.roots: dict[Namespace, Root] = {}
-        #: Every cached node by key.
-        self.index: dict[int, Node] = {}
         #: Bumped whenever a node is added or removed, so a match result can be reused while the
         #: tree is unchanged.
         self.version = 0
@@ -120,6 +128,10 @@ class BlockTree:
         #: Eviction candidates: ``len(recent)`` plus the live entries of ``older``.
         self.num_lru = 0
         self._serial = 0
+
+    def nodes(self) -> list[Node]:
+        """Every cached node of every namespace (for checks and snapshots, not the hot path)."""
+        return [node for root in self.roots.values() for node in root.index.values()]
 
     def root(self, namespace: Namespace) -> Root:
         """The root of ``namespace``, created when missing. ``namespace`` must be valid."""
@@ -225,28 +237,52 @@ class BlockTree:
             self.older = [entry for entry in older if entry[2].lru_serial == entry[1]]
             heapq.heapify(self.older)
 
-    def extend(self, parent: Node, data: bytes, start: int, page_bytes: int, pages: list[int]) -> list[Node]:
-        """Cache ``pages`` as a chain of new nodes below ``parent``, each held once by the caller.
-        Returns the new nodes: all pages, or fewer (maybe none) if a page's key is already taken
-        by another block (a hash collision: keys name blocks in events, so they stay unique).
+    def new_keys(self, parent: Node, data: bytes, start: int, page_bytes: int, count: int) -> list[int]:
+        """The keys of up to ``count`` new pages to cache as a chain below ``parent``, stopping
+        before the first whose key is already taken in the namespace (a hash collision: keys
+        name blocks in events, so they stay unique). Changes nothing, so a hash function that
+        raises or returns a bad key leaves the tree as it was.
+
+        data: int32 token bytes; page ``i`` holds ``data[start + i * page_bytes:][:page_bytes]``.
+        Raises TypeError or ValueError when the hash function returns something other than an
+        int in ``[0, 2**64)``; whatever the hash function itself raises propagates.
+        """
+        hash_fn = self.hash_fn
+        index = parent.root.index
+        check = self._check_keys
+        keys: list[int] = []
+        append = keys.append
+        key = parent.key
+        for first in range(start, start + count * page_bytes, page_bytes):
+            key = hash_fn(data[first : first + page_bytes], key)
+            if check:
+                check_key(key)
+            if key in index:
+                break
+            append(key)
+        return keys
+
+    def extend(
+        self, parent: Node, data: bytes, start: int, page_bytes: int, pages: list[int], keys: list[int]
+    ) -> list[Node]:
+        """Cache ``pages`` as a chain of new nodes below ``parent`` under ``keys`` (from
+        ``new_keys``, one per page), each held once by the caller. Returns the new nodes: all pages, or fewer
+        when a key repeats within the chain (only a colliding hash function does that).
 
         parent: held or a root, without a child holding the first page's tokens (so a later page
             cannot have a cached twin either: its parent is new).
         data: int32 token bytes; page ``i`` holds ``data[start + i * page_bytes:][:page_bytes]``.
         """
-        hash_fn = self.hash_fn
-        index = self.index
+        root = parent.root
+        index = root.index
         nodes: list[Node] = []
         append = nodes.append
         first = start
-        key = parent.key
-        for page in pages:
-            chunk = data[start : start + page_bytes]
-            key = hash_fn(chunk, key)
+        for page, key in zip(pages, keys, strict=True):
             if key in index:
-                # Another block has this key (a collision, or a constant test hash): stop here.
                 break
-            node = Node(key, parent, page, chunk)
+            chunk = data[start : start + page_bytes]
+            node = Node(key, parent, page, chunk, root)
             if start != first:
                 parent.child = node  # a new node has no other child
             elif parent.child is None and parent.children is None:
@@ -268,7 +304,6 @@ class BlockTree:
         parent a candidate, so a whole unreferenced path can go in one call."""
         recent = self.recent
         older = self.older
-        index = self.index
         heappop = heapq.heappop
         evicted: list[Node] = []
         append = evicted.append
@@ -293,7 +328,7 @@ class BlockTree:
                     break
                 node.lru_serial = -1
                 self.num_lru -= 1
-            del index[node.key]
+            del node.root.index[node.key]
             append(node)
             parent = node.parent
             if parent.child is not node:
@@ -358,3 +393,11 @@ def _remove_child(parent: Node, node: Node) -> None:
     if len(children) == 1:
         (parent.child,) = children.values()
         parent.children = None
+
+
+def check_key(key: object) -> None:
+    """Raise unless ``key``, returned by a caller's hash function, is an int in ``[0, 2**64)``."""
+    if type(key) is not int:
+        raise TypeError(f"hash_fn must return an int, got {type(key).__name__}")
+    if not 0 <= key < _KEY_LIMIT:
+        raise ValueError(f"hash_fn must return a key in [0, 2**64), got {key}")

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import operator
+import threading
 from typing import NamedTuple
 
 import numpy as np
 
-from prefix_cache.block_tree import BlockTree, Node, Root
+from prefix_cache.block_tree import BlockTree, Node, Root, check_key
 from prefix_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from prefix_cache.hashing import HashFn, Namespace, check_namespace, default_hash_fn, namespace_seed
 from prefix_cache.page_pool import PagePool
@@ -20,6 +21,8 @@ MAX_PAGE_SIZE = 1024
 MAX_NUM_PAGES = 2**31 - 1
 # Pages a new sequence reserves room for beyond its prompt, so short decodes never grow buffers.
 _DECODE_HEADROOM_PAGES = 8
+#: Events kept waiting for ``drain_events`` by default (see ``max_events``).
+DEFAULT_MAX_EVENTS = 100_000
 _INT32 = np.dtype(np.int32)
 _ONE = (1,)
 
@@ -42,6 +45,10 @@ class OutOfPages(PrefixCacheError):
 
 class InvariantError(PrefixCacheError):
     """``check_invariants`` found the bookkeeping inconsistent."""
+
+
+class ConcurrentUseError(PrefixCacheError):
+    """A second thread called into a cache while another was inside it. Nothing was changed."""
 
 
 class _PendingStored(NamedTuple):
@@ -67,6 +74,17 @@ def _check_int(name: str, value: object, low: int, high: int | None = None) -> i
     return number
 
 
+def _check_hash_fn(hash_fn: object, page_size: int) -> None:
+    """Raise TypeError unless ``hash_fn`` takes (page bytes, parent key) and returns a key."""
+    if not callable(hash_fn):
+        raise TypeError(f"hash_fn must be callable, got {type(hash_fn).__name__}")
+    try:
+        key = hash_fn(bytes(4 * page_size), namespace_seed(None))
+    except Exception as exc:
+        raise TypeError(f"hash_fn(page_bytes, parent_key) failed on a page of zeros: {exc!r}") from exc
+    check_key(key)
+
+
 class PrefixCache:
     """Pages of a paged KV pool, shared between requests whose prompts start with the same tokens.
 
@@ -84,12 +102,20 @@ class PrefixCache:
         page_size: tokens per page, ``1 .. 1024``.
         hash_fn: ``hash_fn(page_token_bytes, parent_key) -> int`` in ``[0, 2**64)``, the block key
             (default 64-bit xxh3). Matches are always confirmed against the stored tokens, so a
-            weak or deliberately colliding function costs hits, never correctness.
+            weak or deliberately colliding function costs hits, never correctness. It is called
+            once here on a page of zeros, so a function with the wrong signature fails now.
         record_events: keep ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` events for
-            ``drain_events``. Turn off when nobody drains them, or they pile up.
+            ``drain_events``.
+        max_events: events kept waiting for ``drain_events``, ``>= 1``. When one more would
+            exceed it, the backlog is dropped and no more are kept until the next drain, which
+            returns ``AllBlocksCleared`` and then ``BlockStored`` for every block cached at that
+            moment (a consumer that applies events in order ends up right).
 
-    Threading: one ``PrefixCache`` belongs to one scheduler thread. Nothing is locked; calls from
-    several threads must be serialised by the caller.
+    Threading: one ``PrefixCache`` belongs to one scheduler thread; calls must not overlap. Every
+    call that touches shared state (the tree, the free pages, events) takes a non-blocking lock
+    and raises ``ConcurrentUseError`` if another thread is inside the cache, changing nothing.
+    The per-token paths (``allocate`` within the last page, ``commit`` that fills no page) touch
+    only their own sequence and are not checked.
     """
 
     def __init__(
@@ -99,16 +125,22 @@ class PrefixCache:
         *,
         hash_fn: HashFn | None = None,
         record_events: bool = True,
+        max_events: int = DEFAULT_MAX_EVENTS,
     ) -> None:
         self._num_pages = _check_int("num_pages", num_pages, 1, MAX_NUM_PAGES)
         self._page_size = _check_int("page_size", page_size, 1, MAX_PAGE_SIZE)
-        if hash_fn is not None and not callable(hash_fn):
-            raise TypeError(f"hash_fn must be callable, got {type(hash_fn).__name__}")
+        self._max_events = _check_int("max_events", max_events, 1)
+        if hash_fn is not None:
+            _check_hash_fn(hash_fn, self._page_size)
         self._pool = PagePool(self._num_pages)
         self._tree = BlockTree(default_hash_fn if hash_fn is None else hash_fn)
         self._record_events = bool(record_events)
         self._events: list[KVCacheEvent | _PendingStored] = []
+        # Set when the backlog overflowed ``max_events``: the next drain resynchronises.
+        self._events_overflowed = False
         self._live: set[Sequence] = set()
+        # Held (never waited on) by every call that touches shared state, see the class docstring.
+        self._lock = threading.Lock()
         # (root, tree version, prompt bytes, nodes) of the last walk, see _match.
         self._last_match: tuple[Root, int, bytes, tuple[Node, ...]] | None = None
         self._next_seq_id = 0
@@ -179,10 +211,15 @@ class PrefixCache:
         pages, at most ``len(tokens) - 1``. Changes nothing (LRU order and statistics included)."""
         arr = as_token_array(tokens)
         check_namespace(namespace)
-        root = self._tree.roots.get(namespace)
-        if root is None:
-            return 0
-        return len(self._match(root, arr, None)) * self._page_size
+        if not self._lock.acquire(False):
+            self._concurrent()
+        try:
+            root = self._tree.roots.get(namespace)
+            if root is None:
+                return 0
+            return len(self._match(root, arr, None)) * self._page_size
+        finally:
+            self._lock.release()
 
     def open(self, tokens: object, namespace: Namespace = None) -> Sequence:
         """Start a sequence for the prompt ``tokens`` (1-D ints) and lock its longest cached prefix.
@@ -193,32 +230,44 @@ class PrefixCache:
         """
         arr = as_token_array(tokens)
         check_namespace(namespace)
-        root = self._tree.root(namespace)
         page_size = self._page_size
         prompt_pages = -(-len(arr) // page_size)
-        seq = Sequence(
-            self, self._next_seq_id, namespace, root, prompt_pages + _DECODE_HEADROOM_PAGES, page_size
-        )
-        self._next_seq_id += 1
-        root.ref += 1
-        nodes = self._match(root, arr, memoryview(seq._pages))
-        seq._nodes = nodes
-        num_cached = len(nodes) * page_size
-        if nodes:
-            seq._num_pages = len(nodes)
-            seq._capacity = num_cached
-            seq._tokens[:num_cached] = arr[:num_cached]
-        seq._num_tokens = seq._num_allocated = seq._num_cached_tokens = num_cached
-        seq._num_full_pages = len(nodes)
-        self._live.add(seq)
-        self._opened += 1
-        self._query_tokens += len(arr)
-        self._hit_tokens += num_cached
-        return seq
+        # Everything that allocates comes before the first change, so a MemoryError changes nothing.
+        capacity = prompt_pages + _DECODE_HEADROOM_PAGES
+        seq = Sequence(self, self._next_seq_id, namespace, None, capacity, page_size)
+        if not self._lock.acquire(False):
+            self._concurrent()
+        try:
+            live = self._live
+            live.add(seq)
+            try:
+                root = self._tree.root(namespace)
+            except BaseException:
+                live.discard(seq)
+                raise
+            self._next_seq_id += 1
+            seq._root = root
+            root.ref += 1
+            nodes = self._match(root, arr, memoryview(seq._pages))
+            seq._nodes = nodes
+            num_cached = len(nodes) * page_size
+            if nodes:
+                seq._num_pages = len(nodes)
+                seq._capacity = num_cached
+                seq._tokens[:num_cached] = arr[:num_cached]
+            seq._num_tokens = seq._num_allocated = seq._num_cached_tokens = num_cached
+            seq._num_full_pages = len(nodes)
+            self._opened += 1
+            self._query_tokens += len(arr)
+            self._hit_tokens += num_cached
+            return seq
+        finally:
+            self._lock.release()
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         """Reserve slots for the next ``num_tokens`` tokens of ``seq`` after those already reserved,
-        taking pages from the free pool and evicting cached pages when it is empty.
+        taking pages from the free pool and evicting cached pages when it is empty. New pages are
+        appended to ``seq.block_table``; its earlier entries never change.
 
         All or nothing: raises ``OutOfPages`` (and changes nothing) when even evicting every
         evictable page would not supply enough pages.
@@ -241,14 +290,22 @@ class PrefixCache:
             # Room left in the last page: the per-token decode path.
             seq._num_allocated = end
             return
-        self._allocate_pages(seq, end)
+        if not self._lock.acquire(False):
+            self._concurrent()
+        try:
+            self._allocate_pages(seq, end)
+        finally:
+            self._lock.release()
 
     def commit(self, seq: Sequence, tokens: object) -> None:
         """Record that the KV of the next ``len(tokens)`` tokens of ``seq`` (after ``num_tokens``) is
-        written. Pages that become full are cached, or, when the same block is already cached,
-        replaced by the cached page (the sequence's own page goes back to the pool).
+        written. Pages that become full are cached; when the same block is already cached (another
+        sequence computed it at the same time) the sequence keeps its own copy, private until
+        ``close``, and holds the cached one, which later prompts match. The block table does not
+        change.
 
-        Raises ValueError, changing nothing, when that goes past the reserved tokens.
+        Raises ValueError, changing nothing, when that goes past the reserved tokens; an error
+        from a caller's ``hash_fn`` also leaves everything as it was.
         """
         try:
             owner = seq._owner
@@ -272,9 +329,9 @@ class PrefixCache:
             if token >= 0:
                 seq._tokens[n] = token
                 n += 1
-                seq._num_tokens = n
                 if n % self._page_size == 0:
-                    self._store_full_pages(seq)
+                    self._store_locked(seq, n)
+                seq._num_tokens = n
                 return
         arr = as_token_array(tokens)
         n = seq._num_tokens
@@ -284,54 +341,95 @@ class PrefixCache:
                 f"cannot commit {len(arr)} tokens: sequence {seq._id} has {seq._num_allocated - n} "
                 f"reserved and uncommitted (allocate first)"
             )
+        # Past ``num_tokens`` the buffer holds nothing yet: writing there changes no state.
         seq._tokens[n:end] = arr
-        seq._num_tokens = end
         if end // self._page_size > seq._num_full_pages:
-            self._store_full_pages(seq)
+            self._store_locked(seq, end)
+        seq._num_tokens = end
 
     def close(self, seq: Sequence) -> None:
         """Release ``seq``: its cached pages stay cached (evictable once no other sequence holds
-        them), its private pages (a partial last page, unused reservations) return to the pool."""
+        them), its private pages (a partial last page, unused reservations, its copies of blocks
+        cached by others) return to the pool."""
         try:
             owner = seq._owner
         except AttributeError:
             raise TypeError(f"expected a Sequence, got {type(seq).__name__}") from None
         if owner is not self:
             self._reject(seq)
-        tree = self._tree
-        tree.release(seq._nodes)
-        self._pool.put_many(seq._pages[len(seq._nodes) : seq._num_pages].tolist())
-        tree.release_root(seq._root)
-        seq._owner = None
-        seq._nodes = []
-        seq._num_pages = 0
-        seq._capacity = 0
-        self._live.discard(seq)
-        self._closed += 1
+        if not self._lock.acquire(False):
+            self._concurrent()
+        try:
+            tree = self._tree
+            tree.release(seq._nodes)
+            pool = self._pool
+            pool.put_many(seq._pages[len(seq._nodes) : seq._num_pages].tolist())
+            if seq._dups:
+                pool.put_many(seq._dups)
+                seq._dups = []
+            tree.release_root(seq._root)
+            seq._owner = None
+            seq._nodes = []
+            seq._num_pages = 0
+            seq._capacity = 0
+            self._live.discard(seq)
+            self._closed += 1
+        finally:
+            self._lock.release()
 
     def evict(self, num_pages: int) -> int:
         """Free up to ``num_pages`` cached pages no live sequence holds, least recently used
         first (a page's descendants before it). Returns the number of pages freed."""
         num_pages = _check_int("num_pages", num_pages, 0)
-        return self._evict(num_pages)
+        if not self._lock.acquire(False):
+            self._concurrent()
+        try:
+            return self._evict(num_pages)
+        finally:
+            self._lock.release()
 
     def reset(self) -> None:
-        """Drop every cached page no live sequence holds. Emits ``AllBlocksCleared`` when the cache
-        ends up empty, else ``BlockRemoved`` for the dropped pages."""
-        removed = [node.key for node in self._evict_nodes(self._tree.num_unreferenced)]
-        if not self._tree.num_lru:
+        """Invalidate the cache (after a weight update, say): drop every cached page, so nothing
+        computed before the reset can match after it, and emit ``AllBlocksCleared``.
+
+        Raises ``PrefixCacheError``, changing nothing, while sequences are open: their KV was
+        computed before the reset too, and their pages would be cached when they commit. Close
+        (or preempt) them first.
+        """
+        if not self._lock.acquire(False):
+            self._concurrent()
+        try:
+            if self._live:
+                raise PrefixCacheError(
+                    f"reset with {len(self._live)} sequences open: close them first (their KV was "
+                    "computed before the reset and would be cached when they commit)"
+                )
+            self._evict_nodes(self._tree.num_unreferenced)
             # Only stale entries can be left; drop them rather than skip them later.
             self._tree.older.clear()
-        if self._record_events:
-            if self._tree.num_nodes == 0:
+            self._last_match = None
+            if self._record_events:
+                self._events.clear()
+                self._events_overflowed = False
                 self._events.append(AllBlocksCleared())
-            elif removed:
-                self._events.append(BlockRemoved(removed))
+        finally:
+            self._lock.release()
 
     def drain_events(self) -> list[KVCacheEvent]:
-        """The events since the last call, oldest first."""
-        events = self._events
-        self._events = []
+        """The events since the last call, oldest first. After an overflow of ``max_events``:
+        ``AllBlocksCleared``, then ``BlockStored`` for every block cached now (parents first),
+        then nothing else."""
+        if not self._lock.acquire(False):
+            self._concurrent()
+        try:
+            if self._events_overflowed:
+                self._events_overflowed = False
+                self._events = []
+                return [AllBlocksCleared(), *self._cached_blocks()]
+            events = self._events
+            self._events = []
+        finally:
+            self._lock.release()
         page_size = self._page_size
         return [
             BlockStored(
@@ -348,6 +446,12 @@ class PrefixCache:
 
     # ------------------------------------------------------------------ internals
 
+    def _concurrent(self) -> None:
+        raise ConcurrentUseError(
+            "PrefixCache called from two threads at once: one cache belongs to one scheduler "
+            "thread (serialise the calls); nothing was changed"
+        )
+
     def _reject(self, seq: object) -> None:
         """Raise the error explaining why ``seq`` cannot be used with this cache."""
         if not isinstance(seq, Sequence):
@@ -355,6 +459,46 @@ class PrefixCache:
         if seq._cache is not self:
             raise ValueError(f"sequence {seq._id} belongs to another PrefixCache")
         raise ValueError(f"sequence {seq._id} is closed")
+
+    def _emit(self, event: KVCacheEvent | _PendingStored) -> None:
+        """Keep ``event`` for ``drain_events``, or note the overflow of ``max_events``."""
+        events = self._events
+        if len(events) < self._max_events:
+            if not self._events_overflowed:
+                events.append(event)
+            return
+        # Drop the backlog: the next drain describes the cached blocks instead.
+        events.clear()
+        self._events_overflowed = True
+
+    def _cached_blocks(self) -> list[BlockStored]:
+        """``BlockStored`` events for every cached block, one per chain of single children, each
+        after its parent's."""
+        page_size = self._page_size
+        events = []
+        for root in self._tree.roots.values():
+            stack: list[Node] = [root]
+            while stack:
+                node = stack.pop()
+                for head in node.children.values() if node.children is not None else [node.child]:
+                    if head is None:
+                        continue
+                    chain = [head]
+                    while head.child is not None:
+                        head = head.child
+                        chain.append(head)
+                    events.append(
+                        BlockStored(
+                            block_hashes=[n.key for n in chain],
+                            parent_block_hash=None if node is root else node.key,
+                            token_ids=np.frombuffer(b"".join(n.tokens for n in chain), np.int32).tolist(),
+                            block_size=page_size,
+                            namespace=root.namespace,
+                        )
+                    )
+                    if head.children is not None:
+                        stack.append(head)
+        return events
 
     def _match(self, root: Root, arr: np.ndarray, table: memoryview | None) -> list[Node]:
         """Nodes of the longest cached prefix of ``arr`` under ``root``, never covering the last
@@ -384,12 +528,17 @@ class PrefixCache:
     def _allocate_pages(self, seq: Sequence, end: int) -> None:
         """Slow path of ``allocate``: new pages so ``seq`` can hold ``end`` tokens."""
         page_size = self._page_size
-        needed = -(-end // page_size) - seq._num_pages
+        num_pages = -(-end // page_size)
+        needed = num_pages - seq._num_pages
         free = self._pool.free
         if needed > len(free):
             available = len(free) + self._tree.num_unreferenced
             if needed > available:
                 raise OutOfPages(needed, available)
+        if num_pages > len(seq._pages):
+            # Before any page is taken: a MemoryError here changes nothing.
+            seq._grow(num_pages, page_size)
+        if needed > len(free):
             self._evict(needed - len(free))
         if needed == 1:
             seq._add_page(free.pop(), page_size)
@@ -397,64 +546,93 @@ class PrefixCache:
             seq._add_pages(self._pool.take(needed), page_size)
         seq._num_allocated = end
 
-    def _store_full_pages(self, seq: Sequence) -> None:
-        """Offer the pages of ``seq`` that became full to the tree: switch each to the cached page
-        of the same block while there is one, then cache the rest as new nodes; after a hash
-        collision the page and all later ones stay private."""
+    def _store_locked(self, seq: Sequence, end: int) -> None:
+        """``_store_full_pages`` under the lock."""
+        if not self._lock.acquire(False):
+            self._concurrent()
+        try:
+            self._store_full_pages(seq, end)
+        finally:
+            self._lock.release()
+
+    def _store_full_pages(self, seq: Sequence, end: int) -> None:
+        """Offer the pages of ``seq`` that ``end`` committed tokens fill (written to ``seq._tokens``,
+        ``seq._num_tokens`` not yet advanced) to the tree: hold the cached twin of each page while
+        there is one (the sequence's own copy stays private), then cache the rest as new nodes;
+        after a hash collision the page and all later ones stay private.
+
+        Everything that can fail (the caller's hash function) runs before the first change."""
         page_size = self._page_size
         first = seq._num_full_pages
-        full = seq._num_tokens // page_size
-        seq._num_full_pages = full
+        full = end // page_size
         if seq._broken:
+            seq._num_full_pages = full
+            self._collision_pages += full - first
             return
         tree = self._tree
         nodes = seq._nodes
-        pages = seq._pages
         parent: Node = nodes[-1] if nodes else seq._root
         page_bytes = 4 * page_size
         data = seq._tokens[first * page_size : full * page_size].tobytes()
+        # Cached twins, computed concurrently by other sequences.
+        twins: list[Node] = []
         start = 0
-        for index in range(first, full):
-            chunk = data[start : start + page_bytes]
-            node = parent.child_with(chunk)
+        for _ in range(first, full):
+            node = parent.child_with(data[start : start + page_bytes])
             if node is None:
-                stored = tree.extend(parent, data, start, page_bytes, pages[index:full].tolist())
-                nodes += stored
-                self._stored_pages += len(stored)
-                if index + len(stored) < full:
-                    self._break_chain(seq)
-                if stored and self._record_events:
-                    # Turned into a BlockStored by drain_events, off the per-step path.
-                    self._events.append(
-                        _PendingStored(
-                            [node.key for node in stored],
-                            None if isinstance(parent, Root) else parent.key,
-                            data[start : start + len(stored) * page_bytes],
-                            seq._namespace,
-                        )
-                    )
-                return
-            # Computed concurrently by another sequence: keep one copy, the cached one.
-            tree.acquire([node])
-            self._pool.put(int(pages[index]))
-            pages[index] = node.page
-            self._duplicate_pages += 1
-            nodes.append(node)
+                break
+            twins.append(node)
             parent = node
             start += page_bytes
-
-    def _break_chain(self, seq: Sequence) -> None:
-        """A different block holds the key of the next full page of ``seq``: that page and all
-        after it stay private (a page can only be cached under a cached parent)."""
-        seq._broken = True
-        self._collision_pages += 1
+        index = first + len(twins)
+        keys = tree.new_keys(parent, data, start, page_bytes, full - index) if index < full else []
+        # From here on nothing can fail.
+        seq._num_full_pages = full
+        if twins:
+            tree.acquire(twins)
+            nodes += twins
+            seq._dups += seq._pages[first:index].tolist()
+            self._duplicate_pages += len(twins)
+        if index == full:
+            return
+        stored = tree.extend(
+            parent, data, start, page_bytes, seq._pages[index : index + len(keys)].tolist(), keys
+        )
+        nodes += stored
+        self._stored_pages += len(stored)
+        if index + len(stored) < full:
+            # A different block holds the key of the next page: it and all after it stay
+            # private (a page can only be cached under a cached parent).
+            seq._broken = True
+            self._collision_pages += full - index - len(stored)
+        if stored and self._record_events:
+            # Turned into a BlockStored by drain_events, off the per-step path.
+            self._emit(
+                _PendingStored(
+                    [node.key for node in stored],
+                    None if parent is seq._root else parent.key,
+                    data[start : start + len(stored) * page_bytes],
+                    seq._namespace,
+                )
+            )
 
     def _evict(self, num_pages: int) -> int:
-        """Evict up to ``num_pages`` pages in LRU order, with one ``BlockRemoved`` event; returns
-        the number evicted."""
+        """Evict up to ``num_pages`` pages in LRU order, with ``BlockRemoved`` events (one per run
+        of pages of one namespace); returns the number evicted."""
         evicted = self._evict_nodes(num_pages)
         if evicted and self._record_events:
-            self._events.append(BlockRemoved([node.key for node in evicted]))
+            root = evicted[0].root
+            if all(node.root is root for node in evicted):
+                self._emit(BlockRemoved([node.key for node in evicted], root.namespace))
+            else:
+                # One event per run of one namespace, so the events keep the eviction order.
+                keys: list[int] = []
+                for node in evicted:
+                    if node.root is not root:
+                        self._emit(BlockRemoved(keys, root.namespace))
+                        root, keys = node.root, []
+                    keys.append(node.key)
+                self._emit(BlockRemoved(keys, root.namespace))
         return len(evicted)
 
     def _evict_nodes(self, num_pages: int) -> list[Node]:
@@ -526,25 +704,26 @@ class _Checker:
                 self.fail(f"root of {namespace!r} has the wrong seed")
             if root.ref == 0 and root.is_leaf:
                 self.fail(f"empty unused root of {namespace!r} was not dropped")
-        roots = {id(root) for root in tree.roots.values()}
         children: dict[int, int] = {}
-        nodes = list(tree.index.values())
-        for key, node in tree.index.items():
-            parent = node.parent
-            if node.key != key or isinstance(node, Root) or parent is None:
-                self.fail(f"page {node.page}: indexed under the wrong key")
-            if id(parent) not in roots and tree.index.get(parent.key) is not parent:
-                self.fail(f"page {node.page}: its parent is not in the tree")
-            if len(node.tokens) != 4 * self.cache._page_size:
-                self.fail(f"page {node.page}: stores {len(node.tokens)} bytes of tokens")
-            if tree.hash_fn(node.tokens, parent.key) != key:
-                self.fail(f"page {node.page}: key is not the hash of its tokens")
-            if node.ref < 0 or (node.ref > parent.ref and not isinstance(parent, Root)):
-                self.fail(f"page {node.page}: ref {node.ref} exceeds its parent's {parent.ref}")
-            if parent.child_with(node.tokens) is not node:
-                self.fail(f"page {node.page}: not its parent's child under its tokens")
-            children[id(parent)] = children.get(id(parent), 0) + 1
-            self.book(node.page, "cached")
+        nodes = []
+        for root in tree.roots.values():
+            for key, node in root.index.items():
+                nodes.append(node)
+                parent = node.parent
+                if node.key != key or isinstance(node, Root) or parent is None or node.root is not root:
+                    self.fail(f"page {node.page}: indexed under the wrong key or namespace")
+                if parent is not root and root.index.get(parent.key) is not parent:
+                    self.fail(f"page {node.page}: its parent is not in its namespace's tree")
+                if len(node.tokens) != 4 * self.cache._page_size:
+                    self.fail(f"page {node.page}: stores {len(node.tokens)} bytes of tokens")
+                if tree.hash_fn(node.tokens, parent.key) != key:
+                    self.fail(f"page {node.page}: key is not the hash of its tokens")
+                if node.ref < 0 or (node.ref > parent.ref and not isinstance(parent, Root)):
+                    self.fail(f"page {node.page}: ref {node.ref} exceeds its parent's {parent.ref}")
+                if parent.child_with(node.tokens) is not node:
+                    self.fail(f"page {node.page}: not its parent's child under its tokens")
+                children[id(parent)] = children.get(id(parent), 0) + 1
+                self.book(node.page, "cached")
         for node in [*tree.roots.values(), *nodes]:
             if node.children is not None and (node.child is not None or len(node.children) < 2):
                 # The hot paths rely on it: one child in ``child``, two or more in ``children``.
@@ -588,16 +767,24 @@ class _Checker:
             if len(seq._nodes) > full or (not seq._broken and len(seq._nodes) != full):
                 self.fail(f"{name}: holds {len(seq._nodes)} cached pages of {full} full ones")
             parent: Node = seq._root
+            dups = list(seq._dups)
             for index, node in enumerate(seq._nodes):
-                if node.parent is not parent or self.tree.index.get(node.key) is not node:
+                if node.parent is not parent or seq._root.index.get(node.key) is not node:
                     self.fail(f"{name}: page {index} is not in the tree under the page before it")
-                if int(seq._pages[index]) != node.page:
-                    self.fail(f"{name}: block table entry {index} is not its cached page {node.page}")
+                page = int(seq._pages[index])
+                if page != node.page:
+                    # Its own copy of a block another sequence cached first: private to it.
+                    if page not in dups:
+                        self.fail(f"{name}: block table entry {index} is neither a cached page nor a copy")
+                    dups.remove(page)
+                    self.book(page, f"private copy of {name}")
                 tokens = seq._tokens[index * page_size : (index + 1) * page_size].tobytes()
                 if tokens != node.tokens:
                     self.fail(f"{name}: page {index} tokens differ from the cached page's")
                 expected_ref[id(node)] = expected_ref.get(id(node), 0) + 1
                 parent = node
+            if dups:
+                self.fail(f"{name}: private copies {dups} are not in its block table")
             for index in range(len(seq._nodes), seq._num_pages):
                 self.book(int(seq._pages[index]), f"private to {name}")
         return expected_ref

@@ -33,14 +33,21 @@ class BlockStored:
 
 @dataclass(frozen=True, slots=True)
 class BlockRemoved:
-    """Cached pages were evicted; a page's descendants are always removed before it."""
+    """Cached pages were evicted; a page's descendants are always removed before it.
+
+    block_hashes: the pages' keys.
+    namespace: the namespace they were cached under (keys are unique within a namespace only).
+    """
 
     block_hashes: list[int]
+    namespace: Namespace = None
 
 
 @dataclass(frozen=True, slots=True)
 class AllBlocksCleared:
-    """Nothing is cached any more (emitted by ``PrefixCache.reset`` when it empties the cache)."""
+    """Forget every block of this cache. Emitted by ``PrefixCache.reset``, and by
+    ``PrefixCache.drain_events`` after the event backlog overflowed its cap: then the events that
+    follow it in the same drain are ``BlockStored`` for every block cached at that moment."""
 
 
 KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared

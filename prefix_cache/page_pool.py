@@ -17,7 +17,10 @@ class PagePool:
         self.free: list[int] = list(range(num_pages - 1, -1, -1))
 
     def take(self, count: int) -> list[int]:
-        """Pop ``count`` (>= 1, at most ``len(self.free)``) page ids, in pop order."""
+        """Pop ``count`` (at most ``len(self.free)``) page ids, in pop order."""
+        if count <= 0:
+            # ``del free[-0:]`` would empty the whole list.
+            return []
         pages = self.free[: -count - 1 : -1]
         del self.free[-count:]
         return pages

@@ -18,13 +18,18 @@ class Sequence:
 
     Its pages are, in order: the pages of its cached path (tree nodes it holds a reference on),
     then pages private to it (being filled, reserved, or full but not cacheable after a hash
-    collision). All attributes are read-only; only the cache that opened it changes it.
+    collision). A page of the cached path may be the sequence's own copy of a block that another
+    sequence cached first (a duplicate): it stays private until ``close``, so a block table never
+    changes under the engine. All attributes and the arrays it hands out are read-only; only the
+    cache that opened it changes it. A sequence cannot be copied: a copy would release its pages
+    twice.
     """
 
     __slots__ = (
         "_broken",
         "_cache",
         "_capacity",
+        "_dups",
         "_id",
         "_namespace",
         "_nodes",
@@ -35,8 +40,10 @@ class Sequence:
         "_num_tokens",
         "_owner",
         "_pages",
+        "_pages_view",
         "_root",
         "_tokens",
+        "_tokens_view",
     )
 
     def __init__(
@@ -44,7 +51,7 @@ class Sequence:
         cache: PrefixCache,
         seq_id: int,
         namespace: Namespace,
-        root: Root,
+        root: Root | None,
         capacity_pages: int,
         page_size: int,
     ) -> None:
@@ -58,6 +65,9 @@ class Sequence:
         # Committed tokens; capacity is always a whole number of pages, at least the allocated ones.
         self._tokens = np.empty(capacity_pages * page_size, dtype=np.int32)
         self._pages = np.empty(capacity_pages, dtype=np.int32)
+        # Read-only views of the buffers: what ``tokens`` and ``block_table`` slice.
+        self._tokens_view = _read_only(self._tokens)
+        self._pages_view = _read_only(self._pages)
         self._num_pages = 0
         self._num_tokens = 0
         self._num_allocated = 0
@@ -66,38 +76,51 @@ class Sequence:
         self._num_cached_tokens = 0
         # Held tree nodes of the first ``len(_nodes)`` pages.
         self._nodes: list[Node] = []
+        # Private pages among the first ``len(_nodes)``: this sequence's copies of blocks another
+        # sequence cached first. Freed at close.
+        self._dups: list[int] = []
         # Full pages already offered to the tree (cached, switched to a duplicate, or left private).
         self._num_full_pages = 0
         # Set after a hash collision: no later page can be cached under a page that is not.
         self._broken = False
 
+    def __copy__(self) -> Sequence:
+        raise TypeError("a Sequence cannot be copied: its pages would be released twice")
+
+    def __deepcopy__(self, memo: dict) -> Sequence:
+        raise TypeError("a Sequence cannot be copied: its pages would be released twice")
+
+    def __reduce_ex__(self, protocol: object) -> object:
+        raise TypeError("a Sequence cannot be pickled or copied: it is bound to its cache's pages")
+
     def _add_pages(self, pages: list[int], page_size: int) -> None:
-        """Append page ids to the block table, doubling the buffers when they are full."""
+        """Append page ids to the block table; the buffers must have room (``_grow`` first)."""
         end = self._num_pages + len(pages)
-        if end > len(self._pages):
-            self._grow(end, page_size)
         self._pages[self._num_pages : end] = pages
         self._num_pages = end
         self._capacity = end * page_size
 
     def _add_page(self, page: int, page_size: int) -> None:
-        """Append one page id (the decode path: a scalar store, no list)."""
+        """Append one page id (the decode path: a scalar store, no list); room must be there."""
         end = self._num_pages
-        if end == len(self._pages):
-            self._grow(end + 1, page_size)
         self._pages[end] = page
         self._num_pages = end + 1
         self._capacity += page_size
 
     def _grow(self, num_pages: int, page_size: int) -> None:
-        """Reallocate the buffers for at least ``num_pages`` pages, at least doubling them."""
+        """Reallocate the buffers for at least ``num_pages`` pages, at least doubling them. Called
+        before any page is taken, so a MemoryError here leaves everything as it was."""
         size = max(num_pages, 2 * len(self._pages))
         grown_pages = np.empty(size, dtype=np.int32)
-        grown_pages[: self._num_pages] = self._pages[: self._num_pages]
-        self._pages = grown_pages
         grown_tokens = np.empty(size * page_size, dtype=np.int32)
+        pages_view = _read_only(grown_pages)
+        tokens_view = _read_only(grown_tokens)
+        grown_pages[: self._num_pages] = self._pages[: self._num_pages]
         grown_tokens[: self._num_tokens] = self._tokens[: self._num_tokens]
+        self._pages = grown_pages
         self._tokens = grown_tokens
+        self._pages_view = pages_view
+        self._tokens_view = tokens_view
 
     @property
     def seq_id(self) -> int:
@@ -131,14 +154,17 @@ class Sequence:
     @property
     def block_table(self) -> np.ndarray:
         """int32 page ids ``[ceil(num_allocated_tokens / page_size)]``; token ``t`` lives in page
-        ``block_table[t // page_size]`` at slot ``t % page_size``. A view: it is invalidated by the
-        next ``allocate`` or ``commit`` and is empty once the sequence is closed."""
-        return self._pages[: self._num_pages]
+        ``block_table[t // page_size]`` at slot ``t % page_size``. A read-only view. Append-only:
+        an entry, once there, never changes while the sequence is open (``allocate`` only appends
+        and may move the buffer, so re-read the property for the new entries); empty once the
+        sequence is closed."""
+        return self._pages_view[: self._num_pages]
 
     @property
     def tokens(self) -> np.ndarray:
-        """The committed token ids, int32 ``[num_tokens]`` (a view, like ``block_table``)."""
-        return self._tokens[: self._num_tokens]
+        """The committed token ids, int32 ``[num_tokens]`` (a read-only view, like
+        ``block_table``)."""
+        return self._tokens_view[: self._num_tokens]
 
     def __repr__(self) -> str:
         state = "closed" if self._owner is None else "open"
@@ -146,3 +172,10 @@ class Sequence:
             f"Sequence(id={self._id}, {state}, namespace={self._namespace!r}, tokens={self._num_tokens}, "
             f"allocated={self._num_allocated}, pages={self._num_pages})"
         )
+
+
+def _read_only(buffer: np.ndarray) -> np.ndarray:
+    """A view of ``buffer`` that cannot be written through (nor can its slices)."""
+    view = buffer.view()
+    view.flags.writeable = False
+    return view

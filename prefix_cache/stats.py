@@ -17,8 +17,8 @@ class CacheStats:
     hit_rate: ``hit_tokens / query_tokens``, 0.0 before the first query.
     opened_sequences, closed_sequences: sequences opened and closed.
     stored_pages: full pages that became cached.
-    duplicate_pages: full pages whose block was already cached; the sequence switched to the
-        cached page and gave its own back.
+    duplicate_pages: full pages whose block was already cached (computed concurrently by another
+        sequence); the sequence holds the cached page and keeps its own copy private until close.
     collision_pages: full pages left uncached because a different block had the same hash.
     evicted_pages: cached pages dropped by eviction or ``reset``.
     num_pages, free_pages, cached_pages, evictable_pages: occupancy now; ``cached_pages`` counts the

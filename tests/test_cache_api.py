@@ -5,24 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_cache_helpers import chain_keys, snapshot
+from test_cache_helpers import chain_keys, run_prompt, snapshot
+from xxhash import xxh3_64_intdigest
 
 from prefix_cache.cache import InvariantError, OutOfPages, PrefixCache, PrefixCacheError
 from prefix_cache.events import AllBlocksCleared, BlockRemoved, BlockStored
-from prefix_cache.sequence import Sequence
 from prefix_cache.stats import CacheStats
-
-
-def run_prompt(cache: PrefixCache, prompt, namespace=None, close: bool = True) -> Sequence:
-    """Open, allocate and commit a whole prompt, the way an engine admits a request."""
-    seq = cache.open(prompt, namespace)
-    cached = seq.num_cached_tokens
-    cache.allocate(seq, len(prompt) - cached)
-    cache.commit(seq, list(prompt[cached:]))
-    if close:
-        cache.close(seq)
-    cache.check_invariants()
-    return seq
 
 
 def test_engine_flow() -> None:
@@ -67,11 +55,13 @@ def test_match_never_covers_last_token_and_changes_nothing() -> None:
     assert snapshot(cache) == before
     seq = cache.open(list(range(8)))
     assert seq.num_cached_tokens == 4
-    # The engine commits the rest of the prompt; the now-full page is the cached one.
+    # The engine commits the rest of the prompt; the now-full page is cached already, so the
+    # sequence keeps its own copy (page 2) until it closes: block tables never change.
     cache.allocate(seq, 4)
     cache.commit(seq, [4, 5, 6, 7])
-    assert seq.block_table.tolist() == [0, 1]
+    assert seq.block_table.tolist() == [0, 2]
     cache.close(seq)
+    assert cache.num_free_pages == 14
     cache.check_invariants()
 
 
@@ -314,10 +304,10 @@ def test_colliding_hash_never_serves_other_tokens() -> None:
     seq = run_prompt(cache, [9, 9, 3, 4, 5], close=False)
     assert seq.num_cached_tokens == 0
     assert cache.match([9, 9, 3, 4, 5]) == 0
-    assert cache.stats.collision_pages == 2
+    assert cache.stats.collision_pages == 3  # pages, not sequences: 1 before and 2 here
     assert cache.num_cached_pages == 1
     held = set(seq.block_table.tolist())
-    assert cache._tree.index[7].page not in held
+    assert cache._tree.roots[None].index[7].page not in held
     # Same tokens in another namespace: same key, different parent, so no hit either.
     assert cache.match([1, 2, 3], namespace="x") == 0
     cache.close(seq)
@@ -333,8 +323,25 @@ def test_colliding_hash_keeps_namespaces_apart() -> None:
     assert cache.match([3, 4, 9], namespace="x") == 2
     assert cache.match([1, 2, 9], namespace="x") == 0
     seq = run_prompt(cache, [1, 2, 9], namespace="x", close=False)
-    assert seq.num_cached_tokens == 0 and cache.stats.collision_pages == 1
+    assert seq.num_cached_tokens == 0
+    # Keys are unique per namespace: the default namespace's key 1 does not stop "x" caching.
+    assert cache.stats.collision_pages == 0
+    assert cache.match([1, 2, 9], namespace="x") == 2
     assert cache.match([1, 2, 9]) == 2
+
+
+def test_one_tenant_cannot_stop_another_from_caching() -> None:
+    # Namespace seeds are public, so a tenant can compute another tenant's block keys and craft
+    # blocks with the same keys (simulated by a hash of the tokens alone): the victim's pages
+    # must still be cached.
+    cache = PrefixCache(num_pages=32, page_size=2, hash_fn=lambda data, parent: xxh3_64_intdigest(data))
+    run_prompt(cache, [5, 6, 7, 8, 0], namespace="attacker")
+    victim = run_prompt(cache, [5, 6, 7, 8, 1], namespace="victim")
+    assert victim.num_cached_tokens == 0 and cache.stats.collision_pages == 0
+    assert cache.match([5, 6, 7, 8, 2], namespace="victim") == 4
+    cache.drain_events()
+    cache.reset()
+    cache.check_invariants()
 
 
 def test_weak_hash_keeps_prefixes_exact() -> None:
@@ -475,7 +482,7 @@ def test_held_pages_are_never_evicted() -> None:
     cache.check_invariants()
 
 
-def test_duplicate_commit_switches_to_the_cached_page() -> None:
+def test_duplicate_commit_keeps_the_block_table() -> None:
     cache = PrefixCache(num_pages=16, page_size=2)
     prompt = [1, 2, 3, 4, 5]
     a = cache.open(prompt)
@@ -488,12 +495,14 @@ def test_duplicate_commit_switches_to_the_cached_page() -> None:
     cache.drain_events()
     cache.commit(b, prompt)
     assert cache.drain_events() == []  # nothing new was cached
-    assert b.block_table.tolist()[:2] == a.block_table.tolist()[:2]
-    assert b.block_table[2] == b_pages[2]  # the partial page stays its own
-    assert cache.num_free_pages == free_before + 2
+    # Append-only: b's block table is what the engine read before; its copies stay private.
+    assert b.block_table.tolist() == b_pages
+    assert cache.num_free_pages == free_before
     assert cache.stats.duplicate_pages == 2 and cache.stats.stored_pages == 2
     cache.check_invariants()
     cache.close(a)
+    assert cache.num_evictable_pages == 0  # b holds the cached pages it duplicated
+    assert cache.match(prompt) == 4
     cache.close(b)
     assert cache.num_evictable_pages == 2 and cache.num_free_pages == 14
     cache.check_invariants()
@@ -510,7 +519,12 @@ def test_duplicates_then_new_pages_in_one_commit() -> None:
     cache.commit(b, [1, 2, 3, 4, 5, 6, 7])
     keys = chain_keys([1, 2, 3, 4, 5, 6], 2)
     assert cache.drain_events() == [BlockStored(keys[1:], keys[0], [3, 4, 5, 6], 2, None)]
-    assert b.block_table[0] == a.block_table[0]
+    assert b.block_table[0] != a.block_table[0]  # b's own copy of the first page
+    assert [node.page for node in b._nodes] == [a.block_table[0], *b.block_table[1:3]]
+    cache.check_invariants()
+    cache.close(a)
+    cache.close(b)
+    assert cache.num_free_pages == 13 and cache.num_evictable_pages == 3
     cache.check_invariants()
 
 
@@ -531,23 +545,28 @@ def test_events_describe_stored_and_removed_blocks() -> None:
     assert cache.drain_events() == [BlockStored([keys[2]], keys[1], [5, 6], 2, "t")]
     cache.close(seq)
     assert cache.evict(1) == 1
-    assert cache.drain_events() == [BlockRemoved([keys[2]])]
+    assert cache.drain_events() == [BlockRemoved([keys[2]], "t")]
     cache.reset()
     assert cache.drain_events() == [AllBlocksCleared()]
     assert cache.num_free_pages == 16 and cache.num_cached_pages == 0
     cache.check_invariants()
 
 
-def test_reset_keeps_held_pages() -> None:
+def test_reset_refuses_while_sequences_are_open() -> None:
     cache = PrefixCache(num_pages=16, page_size=2)
     holder = run_prompt(cache, [1, 2, 3], close=False)
     run_prompt(cache, [5, 6, 7])
     cache.drain_events()
-    cache.reset()
-    assert cache.drain_events() == [BlockRemoved(chain_keys([5, 6], 2))]
-    assert cache.match([1, 2, 3]) == 2 and cache.match([5, 6, 7]) == 0
-    assert cache.num_evictable_pages == 0
+    before = snapshot(cache)
+    with pytest.raises(PrefixCacheError, match="1 sequences open"):
+        cache.reset()
+    assert snapshot(cache) == before
     cache.close(holder)
+    cache.reset()
+    # Nothing computed before the reset matches after it, and a router is told so.
+    assert cache.drain_events() == [AllBlocksCleared()]
+    assert cache.match([1, 2, 3]) == 0 and cache.match([5, 6, 7]) == 0
+    assert cache.num_free_pages == 16 and cache.num_cached_pages == 0
     cache.check_invariants()
 
 
@@ -585,11 +604,13 @@ def test_out_of_pages_is_all_or_nothing() -> None:
 def test_block_table_grows_by_doubling_and_keeps_pages() -> None:
     cache = PrefixCache(num_pages=512, page_size=1)
     seq = cache.open([3])
-    buffers = set()
+    # The arrays themselves, not their ids: a freed array's id can be reused by the next one.
+    buffers = []
     for step in range(300):
         cache.allocate(seq, 1)
         cache.commit(seq, [step % 5])
-        buffers.add(id(seq._pages))
+        if not buffers or seq._pages is not buffers[-1]:
+            buffers.append(seq._pages)
     assert seq.block_table.tolist() == list(range(300))
     assert seq.tokens.tolist() == [step % 5 for step in range(300)]
     assert len(buffers) <= 7  # doubling from 9 pages: a handful of buffers for 300 pages
@@ -605,7 +626,9 @@ def test_accounting_partition() -> None:
         live.append(run_prompt(cache, prompt, close=False))
         if len(live) > 3:
             cache.close(live.pop(0))
+        # Held: in a live block table, or a cached page a live sequence holds (one it duplicated).
         held = {p for seq in live for p in seq.block_table.tolist()}
+        held |= {node.page for seq in live for node in seq._nodes}
         assert cache.num_free_pages + cache.num_evictable_pages + len(held) == 40
         cache.check_invariants()
 

@@ -11,14 +11,25 @@ from xxhash import xxh3_64_intdigest
 from prefix_cache.block_tree import Node
 from prefix_cache.cache import PrefixCache
 from prefix_cache.hashing import Namespace, namespace_seed
+from prefix_cache.sequence import Sequence
 
 
 def snapshot(cache: PrefixCache) -> tuple:
     """Everything the cache's behaviour depends on, as comparable plain data."""
     tree = cache._tree
     nodes = sorted(
-        (n.key, n.parent.key, n.page, n.tokens, n.ref, n.tick, n.lru_serial, child_keys(n))
-        for n in tree.index.values()
+        (
+            repr(n.root.namespace),
+            n.key,
+            n.parent.key,
+            n.page,
+            n.tokens,
+            n.ref,
+            n.tick,
+            n.lru_serial,
+            child_keys(n),
+        )
+        for n in tree.nodes()
     )
     roots = sorted((repr(ns), r.ref, child_keys(r)) for ns, r in tree.roots.items())
     heap = [(tick, serial, node.key) for tick, serial, node in tree.older]
@@ -35,6 +46,7 @@ def snapshot(cache: PrefixCache) -> tuple:
             tuple(n.key for n in s._nodes),
             s._num_full_pages,
             s._broken,
+            tuple(s._dups),
         )
         for s in cache._live
     )
@@ -49,6 +61,7 @@ def snapshot(cache: PrefixCache) -> tuple:
         counters,
         cache.stats,
         len(cache._events),
+        cache._events_overflowed,
     )
 
 
@@ -70,3 +83,15 @@ def chain_keys(tokens: Seq[int], page_size: int, namespace: Namespace = None) ->
         parent = xxh3_64_intdigest(page, parent)
         keys.append(parent)
     return keys
+
+
+def run_prompt(cache: PrefixCache, prompt, namespace=None, close: bool = True) -> Sequence:
+    """Open, allocate and commit a whole prompt, the way an engine admits a request."""
+    seq = cache.open(prompt, namespace)
+    cached = seq.num_cached_tokens
+    cache.allocate(seq, len(prompt) - cached)
+    cache.commit(seq, list(prompt[cached:]))
+    if close:
+        cache.close(seq)
+    cache.check_invariants()
+    return seq

@@ -1,9 +1,16 @@
 """Random engine traffic against PrefixCache, checked step by step against independent models.
 
-Three models, none of which reads the cache's tree:
-- ``cached``: per namespace, the set of cached prefixes (tuples of whole pages), rebuilt only from
-  the events. The cache's tree must hold exactly these prefixes, and ``match`` / ``open`` must
-  return the longest one that prefixes the prompt.
+Models, none of which reads the cache's tree or a sequence's internals:
+- ``cached``: per namespace, the prefixes (tuples of whole pages) that must be cached, decided from
+  the operations alone: every full page a live sequence commits is cached, unless it is cached
+  already (the sequence then holds that copy) or its block key is taken in the namespace by other
+  tokens (a collision: it and the sequence's later pages stay private), until a ``BlockRemoved``
+  event says it was evicted. The cache's tree must hold exactly these prefixes, ``match`` / ``open``
+  must return the longest that prefixes the prompt, and every ``BlockStored`` event must announce
+  exactly the pages the model cached.
+- ``refs`` and ``tick``: which live sequences hold each cached prefix, and when it was last released
+  (by ``close``). Every evicted page must be an unreferenced leaf with the oldest release among all
+  unreferenced leaves (LRU), and ``num_evictable_pages`` the number of unreferenced prefixes.
 - ``kv``: what the engine wrote into each page slot, as (namespace, tokens up to and including
   that slot). Every page a sequence gets from the cache must hold the KV of exactly its prompt.
 - page accounting: free + evictable + held by live sequences = all pages, OutOfPages only when
@@ -23,7 +30,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from test_cache_helpers import snapshot
 from xxhash import xxh3_64_intdigest
 
-from prefix_cache.cache import OutOfPages, PrefixCache
+from prefix_cache.cache import OutOfPages, PrefixCache, PrefixCacheError
 from prefix_cache.events import AllBlocksCleared, BlockRemoved, BlockStored
 from prefix_cache.hashing import namespace_seed
 from prefix_cache.sequence import Sequence
@@ -49,6 +56,9 @@ class Live:
     namespace: object
     pending: list[int]  # prompt tokens still to commit
     tokens: list[int] = field(default_factory=list)  # committed tokens, as the engine knows them
+    held: list[tuple[int, ...]] = field(default_factory=list)  # cached prefixes it holds, in order
+    broken: bool = False  # a page collided: it and all later ones stay private
+    copies: int = 0  # held prefixes it computed itself after another sequence cached them
 
 
 def as_container(tokens: list[int], kind: int):
@@ -83,8 +93,15 @@ class CacheMachine(RuleBasedStateMachine):
         self.live: list[Live] = []
         self.history: list[tuple[object, list[int]]] = []  # prompts and finished token streams
         self.system = system
-        self.cached: dict[object, set[tuple[int, ...]]] = {ns: set() for ns in NAMESPACES}
-        self.key_to_prefix: dict[int, tuple[object, tuple[int, ...]]] = {}
+        # The reference model (see the module docstring): prefix -> key, key -> prefix, per namespace.
+        self.cached: dict[object, dict[tuple[int, ...], int]] = {ns: {} for ns in NAMESPACES}
+        self.keys: dict[object, dict[int, tuple[int, ...]]] = {ns: {} for ns in NAMESPACES}
+        self.children: dict[tuple[object, tuple[int, ...]], int] = {}
+        self.refs: dict[tuple[object, tuple[int, ...]], int] = {}
+        self.tick: dict[tuple[object, tuple[int, ...]], int] = {}
+        self.clock = 0
+        # Pages the model cached whose BlockStored event has not been seen yet.
+        self.unannounced: list[tuple[object, int]] = []
         self.kv: dict[int, list[object]] = {}
 
     # ------------------------------------------------------------------ model helpers
@@ -97,65 +114,86 @@ class CacheMachine(RuleBasedStateMachine):
             k += 1
         return k * self.ps
 
-    def held_prefixes(self) -> set[tuple[object, tuple[int, ...]]]:
-        """Prefixes the live sequences hold, read from what they committed (not from the tree)."""
-        held = set()
-        for live in self.live:
-            for k in range(1, len(live.seq._nodes) + 1):
-                held.add((live.namespace, tuple(live.tokens[: k * self.ps])))
-        return held
+    def hold(self, live: Live, prefix: tuple[int, ...]) -> None:
+        live.held.append(prefix)
+        self.refs[(live.namespace, prefix)] = self.refs.get((live.namespace, prefix), 0) + 1
 
-    def committed_prefixes(self) -> set[tuple[object, tuple[int, ...]]]:
-        return {
-            (live.namespace, tuple(live.tokens[: k * self.ps]))
-            for live in self.live
-            for k in range(1, len(live.tokens) // self.ps + 1)
-        }
+    def model_commit(self, live: Live, stream: list[int]) -> None:
+        """What committing ``stream`` must cache, decided from the tokens alone."""
+        ns, ps = live.namespace, self.ps
+        first = len(live.tokens) // ps
+        tokens = live.tokens + stream
+        for index in range(first, len(tokens) // ps):
+            if live.broken:
+                return
+            prefix = tuple(tokens[: (index + 1) * ps])
+            if prefix in self.cached[ns]:
+                self.hold(live, prefix)  # cached by another sequence meanwhile: hold that copy
+                live.copies += 1
+                continue
+            parent = prefix[:-ps]
+            parent_key = self.cached[ns][parent] if parent else namespace_seed(ns)
+            key = self.hash_fn(np.asarray(prefix[-ps:], dtype=np.int32).tobytes(), parent_key)
+            if key in self.keys[ns]:
+                live.broken = True
+                return
+            self.cached[ns][prefix] = key
+            self.keys[ns][key] = prefix
+            if parent:
+                self.children[(ns, parent)] = self.children.get((ns, parent), 0) + 1
+            self.unannounced.append((ns, key))
+            self.hold(live, prefix)
+
+    def model_close(self, live: Live) -> None:
+        self.clock += 1
+        for prefix in live.held:
+            self.refs[(live.namespace, prefix)] -= 1
+            self.tick[(live.namespace, prefix)] = self.clock
+
+    def evictable_leaves(self) -> list[tuple[object, tuple[int, ...]]]:
+        return [
+            (ns, prefix)
+            for ns, cached in self.cached.items()
+            for prefix in cached
+            if not self.refs.get((ns, prefix)) and not self.children.get((ns, prefix))
+        ]
 
     def apply_events(self) -> None:
-        committed = None
-        # Removed prefixes that are not cached again later in the batch: none may be held.
-        gone: set[tuple[object, tuple[int, ...]]] = set()
+        """Check the events against the model, and drop the pages they say were evicted."""
         for event in self.cache.drain_events():
             if isinstance(event, BlockStored):
-                committed = committed or self.committed_prefixes()
                 assert event.block_size == self.ps
                 assert len(event.token_ids) == len(event.block_hashes) * self.ps
                 ns = event.namespace
-                if event.parent_block_hash is None:
-                    prefix, parent = (), namespace_seed(ns)
-                else:
-                    parent_ns, prefix = self.key_to_prefix[event.parent_block_hash]
-                    assert parent_ns == ns
-                    parent = event.parent_block_hash
+                parent = namespace_seed(ns) if event.parent_block_hash is None else event.parent_block_hash
+                prefix = () if event.parent_block_hash is None else self.keys[ns][parent]
                 for i, key in enumerate(event.block_hashes):
                     page = event.token_ids[i * self.ps : (i + 1) * self.ps]
                     prefix = (*prefix, *page)
                     assert key == self.hash_fn(np.asarray(page, dtype=np.int32).tobytes(), parent)
-                    assert key not in self.key_to_prefix
-                    # A cached block is always what a live sequence just committed.
-                    assert (ns, prefix) in committed
-                    assert prefix not in self.cached[ns]
-                    self.cached[ns].add(prefix)
-                    self.key_to_prefix[key] = (ns, prefix)
-                    gone.discard((ns, prefix))
+                    assert self.keys[ns].get(key) == prefix, "stored a page the model did not cache"
+                    self.unannounced.remove((ns, key))
                     parent = key
             elif isinstance(event, BlockRemoved):
+                ns = event.namespace
                 for key in event.block_hashes:
-                    ns, prefix = self.key_to_prefix.pop(key)
-                    gone.add((ns, prefix))
-                    # Leaves first: nothing cached extends a removed prefix.
-                    assert not any(
-                        len(p) > len(prefix) and p[: len(prefix)] == prefix for p in self.cached[ns]
-                    )
-                    self.cached[ns].remove(prefix)
+                    prefix = self.keys[ns][key]
+                    leaves = self.evictable_leaves()
+                    assert (ns, prefix) in leaves, "evicted a held page or one with cached children"
+                    oldest = min(self.tick[leaf] for leaf in leaves)
+                    assert self.tick[(ns, prefix)] == oldest, "evicted a leaf that is not the LRU one"
+                    del self.keys[ns][key], self.cached[ns][prefix]
+                    if len(prefix) > self.ps:
+                        self.children[(ns, prefix[: -self.ps])] -= 1
             else:
                 assert isinstance(event, AllBlocksCleared)
-                assert not self.held_prefixes()
-                for prefixes in self.cached.values():
-                    prefixes.clear()
-                self.key_to_prefix.clear()
-        assert not gone & self.held_prefixes()
+                assert not self.live
+                for ns in NAMESPACES:
+                    self.cached[ns].clear()
+                    self.keys[ns].clear()
+                self.children.clear()
+                self.unannounced.clear()
+        assert not self.unannounced, "cached pages were not announced"
 
     def write_kv(self, live: Live, tokens: list[int]) -> None:
         """What the engine does before commit: write the KV of ``tokens`` into their slots."""
@@ -189,6 +227,8 @@ class CacheMachine(RuleBasedStateMachine):
         for pos in range(expected):
             assert self.kv[table[pos // self.ps]][pos % self.ps] == (namespace, tuple(prompt[: pos + 1]))
         live = Live(seq, namespace, prompt[expected:], prompt[:expected])
+        for k in range(1, expected // self.ps + 1):
+            self.hold(live, tuple(prompt[: k * self.ps]))
         self.live.append(live)
         self.history.append((namespace, prompt))
         return live
@@ -207,6 +247,7 @@ class CacheMachine(RuleBasedStateMachine):
         free, evictable = cache.num_free_pages, cache.num_evictable_pages
         allocated = seq.num_allocated_tokens
         cache.allocate(seq, count)
+        self.apply_events()  # evictions, before the model decides what later commits find cached
         assert seq.num_allocated_tokens == allocated + count
         assert len(seq.block_table) == -(-seq.num_allocated_tokens // self.ps)
         taken = max(needed, 0)
@@ -217,7 +258,10 @@ class CacheMachine(RuleBasedStateMachine):
 
     def do_commit(self, live: Live, stream: list[int], kind: int) -> None:
         self.write_kv(live, stream)
+        table = live.seq.block_table.tolist()
         self.cache.commit(live.seq, as_container(stream, kind))
+        assert live.seq.block_table.tolist() == table  # append-only
+        self.model_commit(live, stream)
         live.pending = live.pending[len(stream) :]
         live.tokens += stream
         assert live.seq.tokens.tolist() == live.tokens
@@ -278,6 +322,7 @@ class CacheMachine(RuleBasedStateMachine):
         live = data.draw(st.sampled_from(self.live))
         self.live.remove(live)
         self.cache.close(live.seq)
+        self.model_close(live)
         if live.tokens:
             self.history.append((live.namespace, live.tokens))
         before = snapshot(self.cache)
@@ -291,13 +336,21 @@ class CacheMachine(RuleBasedStateMachine):
     def evict(self, count: int) -> None:
         free, evictable = self.cache.num_free_pages, self.cache.num_evictable_pages
         freed = self.cache.evict(count)
+        self.apply_events()
         assert freed == min(count, evictable)
         assert self.cache.num_free_pages == free + freed
 
     @rule()
     def reset(self) -> None:
+        if self.live:
+            before = snapshot(self.cache)
+            with pytest.raises(PrefixCacheError, match="open"):
+                self.cache.reset()
+            assert snapshot(self.cache) == before
+            return
         self.cache.reset()
-        assert self.cache.num_evictable_pages == 0
+        self.apply_events()
+        assert self.cache.num_cached_pages == 0 and self.cache.num_free_pages == self.num_pages
 
     @rule(prompt=TOKENS, namespace=st.sampled_from(NAMESPACES))
     def match(self, prompt: list[int], namespace) -> None:
@@ -315,16 +368,23 @@ class CacheMachine(RuleBasedStateMachine):
         cache.check_invariants()
         self.apply_events()
         tree_prefixes: dict[object, set[tuple[int, ...]]] = {ns: set() for ns in NAMESPACES}
-        for node in cache._tree.index.values():
+        for node in cache._tree.nodes():
             tokens: list[int] = []
             walk = node
             while walk.parent is not None:
                 tokens[:0] = np.frombuffer(walk.tokens, dtype=np.int32).tolist()
                 walk = walk.parent
             tree_prefixes[walk.namespace].add(tuple(tokens))
-        assert tree_prefixes == self.cached
-        held = {page for live in self.live for page in live.seq.block_table.tolist()}
-        assert cache.num_free_pages + cache.num_evictable_pages + len(held) == self.num_pages
+        assert tree_prefixes == {ns: set(cached) for ns, cached in self.cached.items()}
+        unreferenced = sum(
+            1 for ns, cached in self.cached.items() for prefix in cached if not self.refs.get((ns, prefix))
+        )
+        assert cache.num_evictable_pages == unreferenced
+        # Every page is free, cached, or private to one live sequence: its pages past those it holds
+        # in the tree, and its own copies of blocks another sequence cached first.
+        private = sum(len(live.seq.block_table) - len(live.held) + live.copies for live in self.live)
+        cached = sum(len(prefixes) for prefixes in self.cached.values())
+        assert cache.num_free_pages + cached + private == self.num_pages
         for live in self.live:
             assert live.seq.num_tokens == len(live.tokens)
 
