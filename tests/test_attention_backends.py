@@ -122,7 +122,7 @@ def test_run_checks_its_inputs() -> None:
     kv_cache = torch.zeros(1, 2, 16, 1, 16)
     with pytest.raises(ValueError, match="q has shape"):
         backend.run(torch.zeros(2, 2, 16), kv_cache)
-    with pytest.raises(ValueError, match="kv_cache has shape"):
+    with pytest.raises(ValueError, match="kv_cache has pages of"):
         backend.run(torch.zeros(1, 2, 16), torch.zeros(1, 2, 8, 1, 16))
     with pytest.raises(ValueError, match="share one of"):
         backend.run(torch.zeros(1, 2, 16, dtype=torch.float16), kv_cache)
