@@ -31,7 +31,14 @@ import triton
 import triton.language as tl
 from prefix_cache.kernels._common import LOG2E, check_runnable, interpreting, next_pow2, num_sms
 from prefix_cache.kernels.merge_state import merge_states_varlen
-from prefix_cache.kernels.work import WORK_COLS, TileConfig, check_level, level_work, longest_first, tile_config
+from prefix_cache.kernels.work import (
+    WORK_COLS,
+    TileConfig,
+    check_level,
+    level_work,
+    longest_first,
+    tile_config,
+)
 
 from prefix_cache.attention.kv_layout import KVCache, split_kv_cache
 

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
 from prefix_cache.kernels._common import cdiv, interpreting, next_pow2
 
 # Columns of a work item (int32): query tokens [Q0, Q1) of the tile (planned order), the group's

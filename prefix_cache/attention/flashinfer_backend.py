@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from prefix_cache.attention.base import AttentionBackend, to_engine_order, to_planned_order
+from prefix_cache.attention.base import AttentionBackend, to_planned_order
 from prefix_cache.cascade import CascadeLevel, CascadePlan
 
 _FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
@@ -179,7 +179,7 @@ class FlashInferBackend(AttentionBackend):
                 self._decode = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                     self._workspace, "NHD", use_tensor_cores=True
                 )
-            qo, kvp, idx, last = arrays[0]
+            _, kvp, idx, last = arrays[0]
             self._decode.plan(
                 kvp, idx, last, *heads, sm_scale=self.sm_scale, q_data_type=dtype, kv_data_type=dtype
             )

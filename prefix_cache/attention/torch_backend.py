@@ -26,7 +26,9 @@ class TorchBackend(AttentionBackend):
     def _prepare(self, plan: CascadePlan) -> None:
         self._query_order = torch.from_numpy(plan.query_order).to(self._device)
 
-    def _run(self, plan: CascadePlan, q, kv_cache, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
+    def _run(
+        self, plan: CascadePlan, q, kv_cache, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
+    ) -> None:
         query_order = self._query_order.to(q.device)
         q_planned = to_planned_order(q, query_order).float()
         states = [self._attend_level(level, q_planned, k, v) for level in plan.levels]

@@ -123,7 +123,9 @@ class _Upload:
         if self._done is not None:
             self._done.synchronize()
         if self._host.numel() < size:
-            self._host = torch.zeros(max(size, 2 * self._host.numel()), dtype=torch.int32, pin_memory=self._pinned)
+            self._host = torch.zeros(
+                max(size, 2 * self._host.numel()), dtype=torch.int32, pin_memory=self._pinned
+            )
         return self._host.numpy()[:size]
 
     def copy(self, dst: torch.Tensor, size: int) -> None:
@@ -173,6 +175,10 @@ class TritonBackend(AttentionBackend):
         self._part_o: torch.Tensor | None = None
         self._part_lse: torch.Tensor | None = None
         self._fixed_shape: tuple | None = None  # (heads, head_dim, page_size, sm_scale) of the buffers
+        # Set by AutoBackend: the last level is left to another kernel, which writes its state into
+        # the partial rows ``last_level_rows`` before ``merge``.
+        self._external_last_level = False
+        self.last_level_rows: torch.Tensor | None = None
 
     # ------------------------------------------------------------------------------------------
     # plan
@@ -213,6 +219,10 @@ class TritonBackend(AttentionBackend):
         splits = np.zeros((len(levels), plan.num_query_tokens), dtype=np.int64)
         kv_base = 0
         for i, (level, source) in enumerate(zip(levels, plan.levels, strict=True)):
+            if self._external_last_level and i == len(levels) - 1:
+                # Run by another kernel (AutoBackend): one partial row per token that has KV here.
+                splits[i] = np.repeat((level.kv_len > 0).astype(np.int64), np.diff(level.qo_indptr))
+                continue
             tile = self._tile_for(level, tiles)
             work, splits[i] = level_work(
                 level, causal=source.causal, group_size=group, num_kv_heads=self.num_kv_heads, tile=tile,
@@ -233,8 +243,13 @@ class TritonBackend(AttentionBackend):
         pages = sum(level.kv_indices.shape[0] for level in levels)
         sec = _Sections([w.shape[0] for w in works], pages, len(levels), nq)
         host = self._upload.image(sec.size)
-        self._direct = len(levels) == 1 and bool((rows_per_token == 1).all())
+        self._direct = (
+            len(levels) == 1 and bool((rows_per_token == 1).all()) and not self._external_last_level
+        )
         self._fill(host, sec, works, levels, splits, order, nq)
+        if self._external_last_level:
+            at = sec.o_rows + (len(levels) - 1) * nq
+            self.last_level_rows = torch.from_numpy(host[at : at + nq].astype(np.int64)).to(self.device)
         if self._direct:
             # The only partial state is the final one: write it to the output's engine-order rows.
             host[sec.o_rows : sec.o_rows + nq] = order
@@ -242,7 +257,9 @@ class TritonBackend(AttentionBackend):
         self._upload.copy(self._ints, sec.size)
         self._bind(sec, tiles, exact=True)
         num_rows = nq if self._direct else int(rows_per_token.sum())
-        self._part_o = None if self._direct else self._float_buffer((num_rows, self.num_qo_heads, self.head_dim))
+        self._part_o = (
+            None if self._direct else self._float_buffer((num_rows, self.num_qo_heads, self.head_dim))
+        )
         self._part_lse = self._float_buffer((num_rows, self.num_qo_heads))
 
     def _float_buffer(self, shape: tuple[int, ...]) -> torch.Tensor:
@@ -344,7 +361,9 @@ class TritonBackend(AttentionBackend):
             if programs == 0:
                 continue
             work = ints[sec.work[i] : sec.work[i] + items * WORK_COLS].view(items, WORK_COLS)
-            self._launches.append(_Launch(tile, work, ints[sec.num_work + i : sec.num_work + i + 1], programs))
+            self._launches.append(
+                _Launch(tile, work, ints[sec.num_work + i : sec.num_work + i + 1], programs)
+            )
 
     # ------------------------------------------------------------------------------------------
     # run
@@ -353,11 +372,19 @@ class TritonBackend(AttentionBackend):
         if q.device != self.device:
             raise ValueError(f"q and kv_cache must be on {self.device} (the plan's device), got {q.device}")
         if self._max_page >= k.shape[0]:
-            raise ValueError(f"the plan references page {self._max_page}, the KV cache has {k.shape[0]} pages")
+            raise ValueError(
+                f"the plan references page {self._max_page}, the KV cache has {k.shape[0]} pages"
+            )
         if plan.num_query_tokens == 0 and self.capacity is None:
             return
         if self.device.type == "cpu":
             check_runnable(q, k, v, out)  # the interpreter only
+        self.launch_levels(q, k, v, out)
+        if not self._direct and not self._external_last_level:
+            self.merge(out)
+
+    def launch_levels(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
+        """The attention launches of the plan (arguments checked by ``run``)."""
         group = self.num_qo_heads // self.num_kv_heads
         part_o = out if self._direct else self._part_o
         qk_scale = self.sm_scale * LOG2E
@@ -367,5 +394,12 @@ class TritonBackend(AttentionBackend):
                 part_o, self._part_lse, qk_scale=qk_scale, num_programs=launch.num_programs,
                 group_size=group, tile=launch.tile,
             )  # fmt: skip
-        if not self._direct:
-            launch_merge(self._part_o, self._part_lse, self._starts, self._counts, out, self._q_rows)
+
+    def merge(self, out: torch.Tensor) -> None:
+        """Merge the partial states into ``out``'s engine-order rows."""
+        launch_merge(self._part_o, self._part_lse, self._starts, self._counts, out, self._q_rows)
+
+    @property
+    def partial_states(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(out float32 [rows, Hq, D], lse float32 [rows, Hq]) partial-state buffers of the plan."""
+        return self._part_o, self._part_lse
