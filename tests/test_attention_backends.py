@@ -320,3 +320,32 @@ def test_fixed_capacity_rejects_what_does_not_fit() -> None:
     backend.plan(ok, **heads)  # the buffers still serve plans that fit
     kv_cache = torch.randn(2, 2, 16, 1, 16, device=device)
     assert backend.run(torch.randn(4, 2, 16, device=device), kv_cache).isfinite().all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_auto_backend_routes() -> None:
+    """Each route of the auto backend (Triton, FlashInfer's prefill alone, and the hybrid cascade
+    whose last level runs on FlashInfer) against the float64 reference."""
+    pytest.importorskip("flashinfer")
+    from prefix_cache.attention.auto_backend import Routing
+
+    backend = create_backend("auto", routing=Routing(prefill_min_tokens=8, prefill_level_tokens=16))
+    page_size, hq, hkv, d, dtype = 16, 32, 8, 128, torch.bfloat16
+    generator = torch.Generator().manual_seed(9)
+    kv_cache = torch.randn(400, 2, page_size, hkv, d, generator=generator).to("cuda", dtype)
+    shared = list(range(32))  # 512 tokens
+    cases = {
+        "flashinfer": ([np.arange(40, 60), np.arange(60, 80)], [300, 310], [40, 17]),
+        "hybrid": ([np.array([*shared, 100 + i, 120 + i]) for i in range(8)], [540] * 8, [20, 1] * 4),
+        "triton": ([np.array([*shared, 100 + i]) for i in range(8)], [520] * 8, [1] * 8),
+    }
+    for route, (tables, kv_lens, qo_lens) in cases.items():
+        plan = CascadePlanner().plan(tables, kv_lens, qo_lens, page_size)
+        backend.plan(plan, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, q_dtype=dtype)
+        assert backend.route == route
+        q = torch.randn(sum(qo_lens), hq, d, generator=generator).to("cuda", dtype)
+        out = backend.run(q, kv_cache)
+        expected = reference_attention(q, kv_cache, tables, kv_lens, qo_lens, d**-0.5)
+        scale = float(expected.abs().max())
+        torch.testing.assert_close(out.double(), expected, atol=1.6e-2 * scale, rtol=0, msg=route)
