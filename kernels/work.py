@@ -135,7 +135,9 @@ def check_level(
     return LevelArrays(qo, kvp, idx, kv_len, int(used.max(initial=-1)))
 
 
-def auto_chunk(kv_len: np.ndarray, programs: np.ndarray, tile: TileConfig, sms: int) -> int:
+def auto_chunk(
+    kv_len: np.ndarray, programs: np.ndarray, tile: TileConfig, sms: int, max_splits: int = MAX_SPLITS
+) -> int:
     """KV tokens per split for a level whose group g runs ``programs[g]`` programs (M tiles x KV
     heads) over ``kv_len[g]`` tokens. Splits only when the unsplit level leaves SMs idle.
 
@@ -148,7 +150,7 @@ def auto_chunk(kv_len: np.ndarray, programs: np.ndarray, tile: TileConfig, sms: 
         return UNSPLIT
     longest = int(kv_len.max())
     best_cost, best_chunk = longest, UNSPLIT  # one wave of the unsplit level
-    for parts in range(2, MAX_SPLITS + 1):
+    for parts in range(2, max_splits + 1):
         chunk = cdiv(cdiv(longest, parts), tile.block_n) * tile.block_n
         if chunk < MIN_SPLIT_TOKENS:
             break
@@ -169,19 +171,20 @@ def level_work(
     tile: TileConfig,
     sms: int,
     kv_chunk_size: int | None,
+    max_splits: int = MAX_SPLITS,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Cut a level into work items: (work int64 [W, WORK_COLS] with OROW 0, splits int64 [nq]: the
     partial states the level writes for each planned query token, 0 for tokens of groups without KV).
 
     kv_chunk_size: KV tokens per split (rounded up to a multiple of the KV tile); None splits only
-    when the level has too few programs for the device (``auto_chunk``).
+    when the level has too few programs for the device (``auto_chunk``). max_splits: per group.
     """
     qo, kvp, kv_len = level.qo_indptr, level.kv_indptr, level.kv_len
     q_len = np.diff(qo)
     tile_q = tile.block_m // group_size
     m_tiles = -(-q_len // tile_q)  # 0 for a group without queries: it writes nothing
     if kv_chunk_size is None:
-        chunk = auto_chunk(kv_len, m_tiles * num_kv_heads, tile, sms)
+        chunk = auto_chunk(kv_len, m_tiles * num_kv_heads, tile, sms, max_splits)
     else:
         if kv_chunk_size <= 0:
             raise ValueError(f"kv_chunk_size must be positive, got {kv_chunk_size}")
@@ -189,7 +192,7 @@ def level_work(
     chunk = min(cdiv(chunk, tile.block_n) * tile.block_n, UNSPLIT)
     # A group without KV gets no program and no partial row: the merge turns "no rows" into out 0
     # and lse -inf. Groups capped at MAX_SPLITS take longer chunks instead of more splits.
-    splits = np.where(kv_len > 0, np.clip(-(-kv_len // chunk), 1, MAX_SPLITS), 0)
+    splits = np.where(kv_len > 0, np.clip(-(-kv_len // chunk), 1, max_splits), 0)
     per = -(-kv_len // np.maximum(splits, 1))
     group_chunk = np.maximum(-(-per // tile.block_n) * tile.block_n, tile.block_n)
 

@@ -1,24 +1,21 @@
 """The default backend for engines: per plan, our Triton kernels or FlashInfer's, whichever is faster.
 
-Routes, chosen once per ``plan`` from the plan's shape (``choose_route``; thresholds measured on an
-H200, see benchmarks/results/):
+Routes, chosen once per ``plan`` from the plan's shape (``choose_route``; the rule and its thresholds
+come from the side-by-side measurements in benchmarks/results/attention_h200.md):
 
-- ``triton``: our kernels for every level (shared prefixes, decode, short chunks).
-- ``flashinfer``: a plan of one level whose requests prefill long chunks runs on FlashInfer's paged
-  prefill wrapper (FA3 on Hopper), which our Triton kernel does not match on compute-bound prefill;
-  plain decode of one level runs there too when ``Routing.decode_to_flashinfer``.
-- ``hybrid``: a cascade whose last level prefills long chunks: the shared levels on our kernels, the
-  last level on FlashInfer's prefill wrapper, its state (base-2 LSE converted) written into our
-  partial rows and merged by our merge kernel.
+- ``flashinfer``: a plan whose requests prefill long chunks (compute-bound: FlashInfer's FA3 prefill
+  on Hopper is about 2x our Triton kernel there), on FlashInfer's prefill or multi-level cascade
+  wrapper; and plain one-level decode with a GQA group of at most 8, on FlashInfer's tensor-core
+  decode wrapper (faster than ours on small unshared batches).
+- ``triton``: everything else, in particular every decode batch with shared levels.
 
 FlashInfer is used only where it is importable, the device is CUDA, ``plan`` was given ``q_dtype``
-and the backend has no ``GraphCapacity`` (a CUDA graph replays one fixed set of launches: with a
-capacity every plan takes the Triton route, which is graph-safe across plans).
+(fp16 or bf16) and the backend has no ``GraphCapacity``: a CUDA graph replays one fixed set of
+launches, so with a capacity every plan takes the Triton route, which is graph-safe across plans.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,37 +25,34 @@ from prefix_cache.attention.base import AttentionBackend
 from prefix_cache.attention.triton_backend import GraphCapacity, TritonBackend
 from prefix_cache.cascade import CascadePlan
 
-_LN2 = math.log(2.0)
-
 
 @dataclass(frozen=True)
 class Routing:
     """When the auto backend leaves our kernels for FlashInfer's.
 
     prefill_min_tokens: a request with at least this many query tokens this step is a prefill chunk;
-        a level whose prefill chunks hold at least ``prefill_level_tokens`` query tokens in all goes
-        to FlashInfer's prefill wrapper (the whole plan if it has one level, the last level if not).
-    decode_to_flashinfer: plain one-level decode on FlashInfer's decode wrapper.
+        a plan whose prefill chunks hold at least ``prefill_tokens`` query tokens in all runs on
+        FlashInfer.
+    decode_max_group: one-level decode plans (one query per request) run on FlashInfer's decode
+        wrapper when the GQA group (query heads per KV head) is at most this; 0 never.
     """
 
     prefill_min_tokens: int = 64
-    prefill_level_tokens: int = 512
-    decode_to_flashinfer: bool = False
+    prefill_tokens: int = 512
+    decode_max_group: int = 8
 
 
-def choose_route(plan: CascadePlan, routing: Routing) -> str:
-    """``"triton"``, ``"flashinfer"`` or ``"hybrid"`` for ``plan`` (see the module docstring)."""
+def choose_route(plan: CascadePlan, group_size: int, routing: Routing) -> str:
+    """``"triton"`` or ``"flashinfer"`` for ``plan`` (see the module docstring)."""
     last = plan.levels[-1]
     q_len = np.diff(last.qo_indptr.astype(np.int64))
     chunks = q_len[q_len >= routing.prefill_min_tokens]
-    prefill_heavy = int(chunks.sum()) >= routing.prefill_level_tokens
-    if len(plan.levels) == 1:
-        if prefill_heavy:
-            return "flashinfer"
-        if routing.decode_to_flashinfer and q_len.size and bool((q_len <= 1).all()):
-            return "flashinfer"
-        return "triton"
-    return "hybrid" if prefill_heavy else "triton"
+    if int(chunks.sum()) >= routing.prefill_tokens:
+        return "flashinfer"
+    decode = q_len.size > 0 and bool((q_len <= 1).all())
+    if len(plan.levels) == 1 and decode and group_size <= routing.decode_max_group:
+        return "flashinfer"
+    return "triton"
 
 
 class AutoBackend(AttentionBackend):
@@ -92,9 +86,7 @@ class AutoBackend(AttentionBackend):
             self._fi_module = flashinfer
         self._workspace_bytes = workspace_bytes
         self._fi_backend = None  # FlashInferBackend, made on first use
-        self._prefill = None  # FlashInfer prefill wrapper of the hybrid route, made on first use
         self.route = "triton"
-        self._query_order: torch.Tensor | None = None
 
     def _prepare(self, plan: CascadePlan) -> None:
         heads = dict(
@@ -107,7 +99,7 @@ class AutoBackend(AttentionBackend):
             and self.dtype in (torch.float16, torch.bfloat16)
             and plan.num_query_tokens
         ):
-            route = choose_route(plan, self.routing)
+            route = choose_route(plan, self.num_qo_heads // self.num_kv_heads, self.routing)
         if route == "flashinfer":
             if self._fi_backend is None:
                 from prefix_cache.attention.flashinfer_backend import FlashInferBackend
@@ -115,47 +107,9 @@ class AutoBackend(AttentionBackend):
                 self._fi_backend = FlashInferBackend(self.device, self._workspace_bytes)
             self._fi_backend.plan(plan, **heads)
         else:
-            self._triton._external_last_level = route == "hybrid"
             self._triton.plan(plan, **heads)
-            if route == "hybrid":
-                self._plan_last_level(plan)
         self.route = route
 
-    def _plan_last_level(self, plan: CascadePlan) -> None:
-        """FlashInfer's prefill wrapper over the plan's last level (planned query order)."""
-        from prefix_cache.attention.flashinfer_backend import compact_level
-
-        level = compact_level(plan.levels[-1])
-        if self._prefill is None:
-            workspace = torch.empty(self._workspace_bytes, dtype=torch.uint8, device=self.device)
-            self._prefill = self._fi_module.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
-        self._prefill.plan(
-            *[torch.from_numpy(a) for a in (level.qo_indptr, level.kv_indptr, level.kv_indices)],
-            torch.from_numpy(level.kv_last_page_len),
-            self.num_qo_heads, self.num_kv_heads, self.head_dim, plan.page_size,
-            causal=True, sm_scale=self.sm_scale, q_data_type=self.dtype, kv_data_type=self.dtype,
-        )  # fmt: skip
-        self._level_rows = None if level.rows is None else torch.from_numpy(level.rows).to(self.device)
-        self._query_order = torch.from_numpy(plan.query_order).to(self.device)
-
     def _run(self, plan, q, kv_cache, k, v, out) -> None:
-        if self.route == "flashinfer":
-            self._fi_backend._run(plan, q, kv_cache, k, v, out)
-            return
-        triton = self._triton
-        if self.route == "triton":
-            triton._run(plan, q, kv_cache, k, v, out)
-            return
-        # Hybrid: shared levels on our kernels, the last level on FlashInfer, merged by ours.
-        triton._run(plan, q, kv_cache, k, v, out)  # launches the shared levels only
-        paged = kv_cache if isinstance(kv_cache, torch.Tensor) else (k, v)
-        q_planned = q.index_select(0, self._query_order)
-        rows = triton.last_level_rows
-        if self._level_rows is not None:  # some queries have no KV at the last level
-            q_planned = q_planned.index_select(0, self._level_rows)
-            rows = rows.index_select(0, self._level_rows)
-        level_out, level_lse = self._prefill.run(q_planned, paged, return_lse=True)
-        part_o, part_lse = triton.partial_states
-        part_o.index_copy_(0, rows, level_out.float())
-        part_lse.index_copy_(0, rows, level_lse * _LN2)  # FlashInfer's LSE is base 2
-        triton.merge(out)
+        backend = self._fi_backend if self.route == "flashinfer" else self._triton
+        backend._run(plan, q, kv_cache, k, v, out)

@@ -28,9 +28,9 @@ from prefix_cache.kernels._common import LOG2E, check_runnable, num_sms
 from prefix_cache.kernels.attention import launch_attention
 from prefix_cache.kernels.merge_state import launch_merge
 from prefix_cache.kernels.work import (
+    MAX_SPLITS,
     OROW,
     PAGE0,
-    UNSPLIT,
     WORK_COLS,
     TileConfig,
     check_level,
@@ -50,8 +50,10 @@ class GraphCapacity:
     max_pages: page ids over all levels of a plan (the sum of ``len(level.kv_indices)``).
     max_levels: levels of a plan (``CascadePlanner.max_levels``).
     max_work_items: work items per launch; default ``max_query_tokens * max_levels`` plus room
-        for 1024 split items. A plan whose splits do not fit runs unsplit.
-    max_partial_rows: partial (out, lse) rows; default ``max_query_tokens * (max_levels + 4)``.
+        for 2048 split items.
+    max_partial_rows: partial (out, lse) float32 rows of ``num_qo_heads * head_dim``; default
+        ``max_query_tokens * max_levels`` plus room for 4096 split rows (64 MiB at 32 x 128).
+    A plan whose splits do not fit takes fewer, longer splits.
     """
 
     max_query_tokens: int
@@ -69,13 +71,13 @@ class GraphCapacity:
     def work_items(self) -> int:
         if self.max_work_items is not None:
             return self.max_work_items
-        return self.max_query_tokens * self.max_levels + 1024
+        return self.max_query_tokens * self.max_levels + 2048
 
     @property
     def partial_rows(self) -> int:
         if self.max_partial_rows is not None:
             return self.max_partial_rows
-        return self.max_query_tokens * (self.max_levels + 4)
+        return self.max_query_tokens * self.max_levels + 4096
 
 
 @dataclass(frozen=True)
@@ -175,10 +177,6 @@ class TritonBackend(AttentionBackend):
         self._part_o: torch.Tensor | None = None
         self._part_lse: torch.Tensor | None = None
         self._fixed_shape: tuple | None = None  # (heads, head_dim, page_size, sm_scale) of the buffers
-        # Set by AutoBackend: the last level is left to another kernel, which writes its state into
-        # the partial rows ``last_level_rows`` before ``merge``.
-        self._external_last_level = False
-        self.last_level_rows: torch.Tensor | None = None
 
     # ------------------------------------------------------------------------------------------
     # plan
@@ -211,7 +209,7 @@ class TritonBackend(AttentionBackend):
         narrow, wide = tiles
         return narrow if rows <= narrow.block_m else wide
 
-    def _schedule(self, plan, levels, tiles, kv_chunk_size):
+    def _schedule(self, plan, levels, tiles, kv_chunk_size, max_splits=MAX_SPLITS):
         """Work items of every level, by tile: ({tile: [work arrays]}, splits [levels, nq])."""
         group = self.num_qo_heads // self.num_kv_heads
         sms = num_sms(self.device)
@@ -219,14 +217,10 @@ class TritonBackend(AttentionBackend):
         splits = np.zeros((len(levels), plan.num_query_tokens), dtype=np.int64)
         kv_base = 0
         for i, (level, source) in enumerate(zip(levels, plan.levels, strict=True)):
-            if self._external_last_level and i == len(levels) - 1:
-                # Run by another kernel (AutoBackend): one partial row per token that has KV here.
-                splits[i] = np.repeat((level.kv_len > 0).astype(np.int64), np.diff(level.qo_indptr))
-                continue
             tile = self._tile_for(level, tiles)
             work, splits[i] = level_work(
                 level, causal=source.causal, group_size=group, num_kv_heads=self.num_kv_heads, tile=tile,
-                sms=sms, kv_chunk_size=kv_chunk_size,
+                sms=sms, kv_chunk_size=kv_chunk_size, max_splits=max_splits,
             )  # fmt: skip
             work[:, PAGE0] += kv_base
             work[:, OROW] = i * plan.num_query_tokens if self.capacity is None else i * self._tokens_cap
@@ -243,13 +237,8 @@ class TritonBackend(AttentionBackend):
         pages = sum(level.kv_indices.shape[0] for level in levels)
         sec = _Sections([w.shape[0] for w in works], pages, len(levels), nq)
         host = self._upload.image(sec.size)
-        self._direct = (
-            len(levels) == 1 and bool((rows_per_token == 1).all()) and not self._external_last_level
-        )
+        self._direct = len(levels) == 1 and bool((rows_per_token == 1).all())
         self._fill(host, sec, works, levels, splits, order, nq)
-        if self._external_last_level:
-            at = sec.o_rows + (len(levels) - 1) * nq
-            self.last_level_rows = torch.from_numpy(host[at : at + nq].astype(np.int64)).to(self.device)
         if self._direct:
             # The only partial state is the final one: write it to the output's engine-order rows.
             host[sec.o_rows : sec.o_rows + nq] = order
@@ -290,8 +279,9 @@ class TritonBackend(AttentionBackend):
             if need > have:
                 raise ValueError(f"the plan has {need} {what}, over the backend's capacity of {have}")
         tiles = fixed_tile_configs(group, self.head_dim)
-        for kv_chunk_size in (self.kv_chunk_size, UNSPLIT):
-            by_tile, splits = self._schedule(plan, levels, tiles, kv_chunk_size)
+        # Splits that do not fit the fixed buffers are cut down, not dropped: fewer, longer splits.
+        for max_splits in (MAX_SPLITS, 16, 8, 4, 2, 1):
+            by_tile, splits = self._schedule(plan, levels, tiles, self.kv_chunk_size, max_splits)
             items = [sum(w.shape[0] for w in by_tile.get(t, [])) for t in tiles]
             rows = int(splits.sum())
             if max(items) <= cap.work_items and rows <= cap.partial_rows:
@@ -380,7 +370,7 @@ class TritonBackend(AttentionBackend):
         if self.device.type == "cpu":
             check_runnable(q, k, v, out)  # the interpreter only
         self.launch_levels(q, k, v, out)
-        if not self._direct and not self._external_last_level:
+        if not self._direct:
             self.merge(out)
 
     def launch_levels(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
@@ -398,8 +388,3 @@ class TritonBackend(AttentionBackend):
     def merge(self, out: torch.Tensor) -> None:
         """Merge the partial states into ``out``'s engine-order rows."""
         launch_merge(self._part_o, self._part_lse, self._starts, self._counts, out, self._q_rows)
-
-    @property
-    def partial_states(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(out float32 [rows, Hq, D], lse float32 [rows, Hq]) partial-state buffers of the plan."""
-        return self._part_o, self._part_lse
