@@ -371,6 +371,7 @@ def bench_case(case: Case, peers, cuda: bool, dtype, ceilings, flashinfer_head_d
             arms += flashinfer_arms(case, tables, kv_lens, qo_lens, q, kv_cache, dtype)
         except Exception as error:  # an arm that cannot run is reported, not fatal
             skipped["flashinfer"] = f"{type(error).__name__}: {error}"[:300]
+    if cuda:
         try:
             peer, peer_skipped = peer_arms(peers, case, tables, kv_lens, qo_lens, q, kv_cache)
             arms += peer
@@ -400,6 +401,27 @@ def bench_case(case: Case, peers, cuda: bool, dtype, ceilings, flashinfer_head_d
 
 
 def summarise(case, results, skipped, tables, kv_lens, qo_lens, dtype, ceilings) -> dict:
+    bytes_, flops = work_of(case, tables, kv_lens, qo_lens, dtype)
+    bandwidth, matmul = ceilings
+    bound_ms = max(bytes_ / bandwidth, flops / matmul) * 1e3 if bandwidth else None
+    row = {
+        "case": case.name,
+        "shape": f"{case.hq}/{case.hkv} d{case.d} page {case.page_size}",
+        "requests": len(tables),
+        "query_tokens": int(qo_lens.sum()),
+        "bytes": bytes_,
+        "flops": flops,
+        "bound_ms": bound_ms,
+        "arms": results,
+        "skipped": skipped,
+    }
+    return derive(row)
+
+
+def derive(row: dict) -> dict:
+    """The comparison columns of a case, from its arms' measurements (also for stored results)."""
+    results = row["arms"]
+
     def ms(name, key="ms"):
         return results.get(name, {}).get(key)
 
@@ -411,39 +433,29 @@ def summarise(case, results, skipped, tables, kv_lens, qo_lens, dtype, ceilings)
         values = [r[key] for r in rows if r.get(key) is not None]
         return min(values) if values else None
 
-    bytes_, flops = work_of(case, tables, kv_lens, qo_lens, dtype)
-    bandwidth, matmul = ceilings
-    bound_ms = max(bytes_ / bandwidth, flops / matmul) * 1e3 if bandwidth else None
-    ours, ours_graph = ms("ours"), ms("ours graph")
+    ours, ours_graph = ms("ours"), ms("ours graph", "graph_ms")
     cascade, one = ms("ours cascade", "graph_ms"), ms("ours one level", "graph_ms")
     # The plan the default planner chose, against the better of its two candidates (GPU time).
-    chosen = ms("ours graph")
-    row = {
-        "case": case.name,
-        "shape": f"{case.hq}/{case.hkv} d{case.d} page {case.page_size}",
-        "requests": len(tables),
-        "query_tokens": int(qo_lens.sum()),
-        "ours_ms": ours,
-        "ours_graph_ms": ours_graph,
-        "cascade_ms": ms("ours cascade"),
-        "cascade_graph_ms": cascade,
-        "one_level_ms": ms("ours one level"),
-        "one_level_graph_ms": one,
-        "triton_ms": ms("triton"),
-        "triton_graph_ms": ms("triton", "graph_ms"),
-        "best_flashinfer_ms": best(fi, "ms"),
-        "best_flashinfer_graph_ms": best(fi, "graph_ms"),
-        "best_peer_ms": best(others, "ms"),
-        "best_peer_graph_ms": best(others, "graph_ms"),
-        "bound_ms": bound_ms,
-        "host_us": results.get("ours", {}).get("host_us"),
-        "triton_host_us": results.get("triton", {}).get("host_us"),
-        "planner_vs_best_choice": chosen / min(cascade, one) if chosen and cascade and one else None,
-        "tb_per_s": bytes_ / (ours * 1e-3) / 1e12 if ours else None,
-        "tflop_per_s": flops / (ours * 1e-3) / 1e12 if ours else None,
-        "arms": results,
-        "skipped": skipped,
-    }
+    chosen = ms("triton", "graph_ms")
+    row.update(
+        ours_ms=ours,
+        ours_graph_ms=ours_graph,
+        cascade_ms=ms("ours cascade"),
+        cascade_graph_ms=cascade,
+        one_level_ms=ms("ours one level"),
+        one_level_graph_ms=one,
+        triton_ms=ms("triton"),
+        triton_graph_ms=chosen,
+        best_flashinfer_ms=best(fi, "ms"),
+        best_flashinfer_graph_ms=best(fi, "graph_ms"),
+        best_peer_ms=best(others, "ms"),
+        best_peer_graph_ms=best(others, "graph_ms"),
+        host_us=results.get("ours", {}).get("host_us"),
+        triton_host_us=results.get("triton", {}).get("host_us"),
+        planner_vs_best_choice=chosen / min(cascade, one) if chosen and cascade and one else None,
+        tb_per_s=row["bytes"] / (ours * 1e-3) / 1e12 if ours else None,
+        tflop_per_s=row["flops"] / (ours * 1e-3) / 1e12 if ours else None,
+    )
     return row
 
 
@@ -535,6 +547,21 @@ def write_results(rows: list[dict], meta: dict, out: Path, stem: str) -> None:
         plot(rows, out / f"{stem}.png")
 
 
+def rebuild(stored: Path, out: Path) -> None:
+    """Recompute the comparison columns of a stored run from its arms (same cases, same batches)."""
+    cases = {c.name: c for c in CASES}
+    lines = (stored / "attention_h200.md").read_text().splitlines()
+    meta = json.loads(next(line for line in lines if line.startswith("{")))
+    rows = json.loads((stored / "attention_h200.json").read_text())
+    for row in rows:
+        case = cases[row["case"]]
+        tables, kv_lens, qo_lens, _ = build_batch(case)
+        row["bytes"], row["flops"] = work_of(case, tables, kv_lens, qo_lens, torch.bfloat16)
+        derive(row)
+    write_results(rows, meta, out, "attention_h200")
+    print(markdown(rows))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--peers", help="folder holding peer_kernels.py (peer arms skipped without it)")
@@ -542,9 +569,15 @@ def main() -> None:
     parser.add_argument("--cases", default="", help="only cases whose name contains this")
     parser.add_argument("--smoke", action="store_true", help="two tiny cases on the CPU (interpreter)")
     parser.add_argument(
+        "--from-json", help="rebuild the tables and plot of a stored run (its folder) without a GPU"
+    )
+    parser.add_argument(
         "--flashinfer-head-dims", default="64,128", help="head dims to run FlashInfer's arms for (JIT builds)"
     )
     args = parser.parse_args()
+    if args.from_json:
+        rebuild(Path(args.from_json), Path(args.out))
+        return
     cuda = torch.cuda.is_available() and not args.smoke
     if not cuda and not args.smoke:
         raise SystemExit("bench_attention.py needs CUDA (or --smoke)")

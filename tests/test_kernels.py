@@ -714,7 +714,7 @@ def test_gpu_cuda_graph_replays_across_plans(dtype):
     graph = None
     depths = set()
     for step in range(12):
-        tables, kv_lens, qo_lens = _random_batch(rng, page_size, num_pages, int(rng.integers(1, 33)))
+        tables, kv_lens, qo_lens = _random_batch(rng, page_size, num_pages, int(rng.integers(1, 11)))
         plan = planners[step % 4].plan(tables, kv_lens, qo_lens, page_size)
         depths.add(len(plan.levels))
         backend.plan(plan, **heads)
