@@ -334,6 +334,33 @@ def test_append_kv_writes_slots_and_skips_minus_one(page_size, dtype):
     assert torch.equal(device_cache.cpu(), expected)
 
 
+@pytest.mark.parametrize("layout", ["vllm", "separate", "hnd"])
+def test_append_kv_into_other_layouts(layout):
+    """The same writes through (K, V) views of vLLM's [2, pages, ...], separate pools and HND pools."""
+    gen = torch.Generator().manual_seed(3)
+    num_pages, page_size, hkv, d, n = 6, 4, 2, 16, 7
+    k = torch.randn(n, hkv, d, generator=gen).to(DEVICE)
+    v = torch.randn(n, hkv, d, generator=gen).to(DEVICE)
+    slots = torch.randperm(num_pages * page_size, generator=gen)[:n]
+    slots[2] = -1
+    if layout == "vllm":
+        pool = torch.zeros(2, num_pages, page_size, hkv, d, device=DEVICE)
+        k_cache, v_cache = pool[0], pool[1]
+    elif layout == "separate":
+        k_cache = torch.zeros(num_pages, page_size, hkv, d, device=DEVICE)
+        v_cache = torch.zeros_like(k_cache)
+    else:
+        pool = torch.zeros(num_pages, 2, hkv, page_size, d, device=DEVICE)
+        k_cache, v_cache = pool[:, 0].transpose(1, 2), pool[:, 1].transpose(1, 2)
+    append_kv((k_cache, v_cache), k, v, slots.to(DEVICE))
+    for i, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            assert torch.equal(k_cache[slot // page_size, slot % page_size], k[i])
+            assert torch.equal(v_cache[slot // page_size, slot % page_size], v[i])
+    written = int((slots >= 0).sum()) * hkv * d
+    assert int((k_cache != 0).sum()) == written and int((v_cache != 0).sum()) == written
+
+
 def test_append_kv_rejects_dtype_mismatch():
     cache = torch.randn(2, 2, 4, 1, 16)
     k = torch.randn(1, 1, 16, dtype=torch.float16)
