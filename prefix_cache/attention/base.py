@@ -167,10 +167,3 @@ def check_run_tensors(backend: AttentionBackend, plan: CascadePlan, q: torch.Ten
 def to_planned_order(x: torch.Tensor, query_order: torch.Tensor) -> torch.Tensor:
     """Rows of ``x`` (engine order) in planned order. query_order: int64 [num_query_tokens], on x's device."""
     return x.index_select(0, query_order)
-
-
-def to_engine_order(x: torch.Tensor, query_order: torch.Tensor) -> torch.Tensor:
-    """Inverse of ``to_planned_order``: rows of ``x`` (planned order) back in the engine's order."""
-    out = torch.empty_like(x)
-    out.index_copy_(0, query_order, x)
-    return out
