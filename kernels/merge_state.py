@@ -76,14 +76,16 @@ def _merge_states_kernel(
     empty = denom == 0.0
     out = acc / tl.where(empty, 1.0, denom)[:, None]
     out_row = tl.load(out_rows_ptr + t).to(tl.int64) if SCATTER else t.to(tl.int64)
+    # A negative output row is a padding token of a fixed-size (CUDA-graph) launch: nothing to write.
+    keep = (offs_h * 0 + out_row) >= 0  # as a vector: the interpreter masks with tensors only
     tl.store(
         out_ptr + out_row * stride_out_row + offs_h[:, None] * stride_out_head + offs_d[None, :],
         out,
-        mask=hd_ok,
+        mask=hd_ok & keep[:, None],
     )
     if WRITE_LSE:
         lse = tl.where(empty, float("-inf"), m + tl.log(tl.where(empty, 1.0, denom)))
-        tl.store(out_lse_ptr + out_row * stride_out_lse_row + offs_h, lse, mask=h_ok)
+        tl.store(out_lse_ptr + out_row * stride_out_lse_row + offs_h, lse, mask=h_ok & keep)
 
 
 def _block_h(num_heads: int, block_d: int) -> int:
@@ -140,8 +142,9 @@ def merge_states_varlen(
 
     o: [R, H, D] partial outputs, lse: [R, H] natural-log LSE; query t owns the rows
     ``starts[t] : starts[t] + counts[t]`` (int32/int64 [T], on o's device; a count of 0 gives out 0).
-    out: [*, H, D], any float dtype; query t is written to row ``out_rows[t]`` (int64 [T]; default t),
-    which lets the merge undo a permutation of the queries. out_lse: optional [*, H] float32, same rows.
+    out: [*, H, D], any float dtype; query t is written to row ``out_rows[t]`` (int32/int64 [T];
+    default t; a negative row skips the query), which lets the merge undo a permutation of the
+    queries. out_lse: optional [*, H] float32, same rows.
     """
     t = starts.shape[0]
     h, d = o.shape[1], o.shape[2]
@@ -162,4 +165,26 @@ def merge_states_varlen(
         out.stride(0), out.stride(1), lse_out.stride(0),
         HEAD_DIM=d, BLOCK_H=block_h, BLOCK_D=block_d, VARLEN=True,
         SCATTER=out_rows is not None, WRITE_LSE=out_lse is not None,
+    )  # fmt: skip
+
+
+def launch_merge(
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    starts: torch.Tensor,
+    counts: torch.Tensor,
+    out: torch.Tensor,
+    out_rows: torch.Tensor,
+) -> None:
+    """``merge_states_varlen`` with ``out_rows`` and without its checks (the triton backend checks
+    once per plan): one program per entry of ``starts``, over all heads."""
+    h, d = o.shape[1], o.shape[2]
+    block_d = max(16, next_pow2(d))
+    block_h = _block_h(h, block_d)
+    _merge_states_kernel[(starts.shape[0], triton.cdiv(h, block_h))](
+        o, lse, starts, counts, out_rows, out, lse,
+        h, 0, 1,
+        o.stride(0), o.stride(1), lse.stride(0),
+        out.stride(0), out.stride(1), lse.stride(0),
+        HEAD_DIM=d, BLOCK_H=block_h, BLOCK_D=block_d, VARLEN=True, SCATTER=True, WRITE_LSE=False,
     )  # fmt: skip

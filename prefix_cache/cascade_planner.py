@@ -12,14 +12,24 @@ slicing per request; lists of Python ints cost a conversion and a type check of 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from prefix_cache.cascade import CascadeLevel, CascadePlan
+from prefix_cache.cost_model import CostModel, PlanFeatures, default_cost_model
 
 _I32 = np.int32
+# Candidate thresholds when none are given (see CascadePlanner).
+_MIN_SHARED_TOKENS = 256
+_MIN_SAVED_TOKENS = 7 * 256
+
+
+@functools.cache
+def _packaged_cost_model() -> CostModel:
+    return default_cost_model()
 
 
 @dataclass(frozen=True)
@@ -37,29 +47,33 @@ class _Node:
 class CascadePlanner:
     """Turns a batch's page tables into a ``CascadePlan``.
 
-    The cost model, in tokens of KV read per layer: a shared node whose segment holds L tokens and is
+    Which shared nodes get a level of their own: a shared node whose segment holds L tokens and is
     read by q requests saves (q - 1)·L tokens of reads, and costs a launch plus a merge of the batch's
-    states whatever L is. A node gets its own group when both hold:
+    states whatever L is. A node is a candidate when both hold:
 
-    min_shared_tokens: L >= this. Short segments are cheaper to read again than to merge.
-    min_saved_tokens: (q - 1)·L >= this. The default, 7·256, is the measured break-even of a
-        256-token prefix shared by 8 requests (the same corner vLLM's cascade heuristic uses); it
-        also lets 2 requests share a long conversation (2048 tokens or more).
+    min_shared_tokens: L >= this (None: 256). Short segments are cheaper to read again than to merge.
+    min_saved_tokens: (q - 1)·L >= this (None: 7·256, the break-even of a 256-token prefix shared by
+        8 requests, the corner vLLM's cascade heuristic uses; it also lets 2 requests share a long
+        conversation).
     max_levels: at most this many levels in all, the unique level included (1 disables sharing).
         Nodes are kept top-down, so when the budget runs out the deepest nodes are folded.
+    cost_model: when both thresholds are left at None, the calibrated ``CostModel`` then compares the
+        cascade of the candidates with one level (every request over its whole table) and keeps the
+        faster; explicit thresholds (tests, tuning) decide alone. None: thresholds only.
 
     A node that is not kept is folded: its pages go to its kept descendants' segments, or to the
     unique level.
     """
 
-    min_shared_tokens: int = 256
-    min_saved_tokens: int = 7 * 256
+    min_shared_tokens: int | None = None
+    min_saved_tokens: int | None = None
     max_levels: int = 4
+    cost_model: CostModel | None = field(default_factory=lambda: _packaged_cost_model())
 
     def __post_init__(self) -> None:
-        if self.min_shared_tokens < 1:
+        if self.min_shared_tokens is not None and self.min_shared_tokens < 1:
             raise ValueError(f"min_shared_tokens must be >= 1, got {self.min_shared_tokens}")
-        if self.min_saved_tokens < 0:
+        if self.min_saved_tokens is not None and self.min_saved_tokens < 0:
             raise ValueError(f"min_saved_tokens must be >= 0, got {self.min_saved_tokens}")
         if self.max_levels < 1:
             raise ValueError(f"max_levels must be >= 1, got {self.max_levels}")
@@ -104,6 +118,11 @@ class CascadePlanner:
         shared_end = np.zeros(batch, dtype=np.int64)
         for node in nodes:  # pre-order: a deeper node overwrites its ancestors
             shared_end[node.lo : node.hi] = node.end
+        if nodes and self._cost_model_decides():
+            flat = PlanFeatures(1, float(kv[qo > 0].sum()), float((qo * kv).sum()))
+            cascade = _cascade_features(nodes, qo_planned, kv[order], shared_end, page_size)
+            if self.cost_model.time_us(flat) <= self.cost_model.time_us(cascade):
+                nodes, shared_end = [], np.zeros(batch, dtype=np.int64)
 
         num_shared = max((n.level + 1 for n in nodes), default=0)
         levels = [
@@ -122,9 +141,16 @@ class CascadePlanner:
             page_size=page_size,
         )
 
+    def _cost_model_decides(self) -> bool:
+        return (
+            self.cost_model is not None and self.min_shared_tokens is None and self.min_saved_tokens is None
+        )
+
     def _choose(self, intervals: list[tuple[int, int, int]], page_size: int) -> list[_Node]:
         """Keep the sharing-tree nodes worth a call, top-down. ``intervals`` are (pages, lo, hi) in
         pre-order; a kept node's segment starts where its nearest kept ancestor's ends."""
+        min_shared = _MIN_SHARED_TOKENS if self.min_shared_tokens is None else self.min_shared_tokens
+        min_saved = _MIN_SAVED_TOKENS if self.min_saved_tokens is None else self.min_saved_tokens
         kept: list[_Node] = []
         path: list[_Node] = []  # kept ancestors of the current node, outermost first
         for depth, lo, hi in intervals:
@@ -134,7 +160,7 @@ class CascadePlanner:
                 continue
             start = path[-1].end if path else 0
             tokens = (depth - start) * page_size
-            if tokens >= self.min_shared_tokens and (hi - lo - 1) * tokens >= self.min_saved_tokens:
+            if tokens >= min_shared and (hi - lo - 1) * tokens >= min_saved:
                 node = _Node(level=len(path), lo=lo, hi=hi, start=start, end=depth)
                 kept.append(node)
                 path.append(node)
@@ -144,6 +170,21 @@ class CascadePlanner:
 #: Page ids, the page size and query offsets end up in int32 plan arrays.
 _I32_MAX = int(np.iinfo(_I32).max)
 _BOOL_TYPES = frozenset((bool, np.bool_))
+
+
+def _cascade_features(
+    nodes: list[_Node], qo_planned: np.ndarray, kv_planned: np.ndarray, shared_end: np.ndarray, page_size: int
+) -> PlanFeatures:
+    """``cost_model.plan_features`` of the plan these nodes make, without building it."""
+    kv_tokens = pairs = 0.0
+    for node in nodes:
+        tokens = (node.end - node.start) * page_size
+        kv_tokens += tokens
+        pairs += tokens * float(qo_planned[node.lo : node.hi].sum())
+    own = np.where(qo_planned > 0, kv_planned - shared_end * page_size, 0)
+    kv_tokens += float(own.sum())
+    pairs += float((own * qo_planned).sum())
+    return PlanFeatures(max((n.level for n in nodes), default=-1) + 2, kv_tokens, pairs)
 
 
 def _validate(

@@ -25,6 +25,7 @@ class Batch:
 def batches(
     draw: st.DrawFn,
     *,
+    min_page_size: int = 1,
     max_page_size: int = 16,
     max_prompts: int = 2,
     max_conversations: int = 3,
@@ -35,7 +36,7 @@ def batches(
     """A forest: prompts (system prompts, maybe empty) -> conversations -> samples. A sample's KV is its
     prompt's pages, its conversation's pages, then its own tokens; its queries may reach back into the
     shared pages (a prefill chunk over pages that another request already committed)."""
-    page_size = draw(st.integers(1, max_page_size))
+    page_size = draw(st.integers(min_page_size, max_page_size))
     segment_pages = st.integers(0, max_segment_pages)
     next_page = 0
 

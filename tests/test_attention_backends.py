@@ -16,7 +16,7 @@ from prefix_cache.attention.torch_backend import TorchBackend
 from prefix_cache.cascade import CascadeLevel
 from prefix_cache.cascade_planner import CascadePlanner
 
-BACKENDS = ["torch", "triton", "flashinfer"]
+BACKENDS = ["torch", "triton", "auto", "flashinfer"]
 CUDA = torch.cuda.is_available()
 # Absolute and relative tolerance against the float64 reference, by the dtype of q and the KV.
 TOLERANCE = {torch.float32: 2e-3, torch.float16: 1e-2, torch.bfloat16: 4e-2}
@@ -28,7 +28,7 @@ PLANNERS.append(CascadePlanner())
 
 def make_backend(name: str):
     """The backend, or a skip when its optional dependency or CUDA is missing here."""
-    if name == "triton":
+    if name in ("triton", "auto"):
         pytest.importorskip("triton")
     if name == "flashinfer":
         pytest.importorskip("flashinfer")
@@ -51,7 +51,7 @@ class Sweep:
 SWEEPS = {
     "torch": Sweep("cpu", (torch.float32, torch.float16, torch.bfloat16), (16, 32), batches(), 100),
     # Without CUDA, Triton's interpreter runs the kernels: slow, and wrong for bf16. Small batches there.
-    "triton": Sweep("cuda", (torch.float32, torch.float16, torch.bfloat16), (64, 128), batches(), 100)
+    "triton": Sweep("cuda", (torch.float32, torch.float16, torch.bfloat16), (64, 128), batches(), 30)
     if CUDA
     else Sweep(
         "cpu",
@@ -60,8 +60,18 @@ SWEEPS = {
         batches(max_conversations=2, max_samples=2, max_segment_pages=2, max_qo_len=4),
         30,
     ),
-    # One head_dim: every (dtype, head_dim) is a separate FlashInfer JIT build on first use.
-    "flashinfer": Sweep("cuda", (torch.float16, torch.bfloat16), (128,), batches(), 100),
+    # The auto backend with plans that give their dtype: FlashInfer routes where it is installed.
+    "auto": Sweep("cuda", (torch.bfloat16,), (128,), batches(max_qo_len=80), 15)
+    if CUDA
+    else Sweep(
+        "cpu",
+        (torch.float32,),
+        (16,),
+        batches(max_conversations=2, max_samples=2, max_segment_pages=2, max_qo_len=4),
+        10,
+    ),
+    # One dtype and head_dim: every (dtype, head_dim) is a separate FlashInfer JIT build (minutes).
+    "flashinfer": Sweep("cuda", (torch.bfloat16,), (128,), batches(), 20),
 }
 
 
@@ -86,7 +96,9 @@ def test_backend_matches_reference(name: str) -> None:
         q, kv_cache = q.to(sweep.device, dtype), kv_cache.to(sweep.device, dtype)
 
         plan = planner.plan(batch.block_tables, batch.kv_lens, batch.qo_lens, batch.page_size)
-        backend.plan(plan, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+        backend.plan(
+            plan, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, q_dtype=dtype
+        )
         out = backend.run(q, kv_cache)
         expected = reference_attention(
             q, kv_cache, batch.block_tables, batch.kv_lens, batch.qo_lens, head_dim**-0.5
@@ -122,7 +134,7 @@ def test_run_checks_its_inputs() -> None:
     kv_cache = torch.zeros(1, 2, 16, 1, 16)
     with pytest.raises(ValueError, match="q has shape"):
         backend.run(torch.zeros(2, 2, 16), kv_cache)
-    with pytest.raises(ValueError, match="kv_cache has shape"):
+    with pytest.raises(ValueError, match="kv_cache has pages of"):
         backend.run(torch.zeros(1, 2, 16), torch.zeros(1, 2, 8, 1, 16))
     with pytest.raises(ValueError, match="share one of"):
         backend.run(torch.zeros(1, 2, 16, dtype=torch.float16), kv_cache)
@@ -183,3 +195,161 @@ def test_create_backend_explains_a_missing_dependency(monkeypatch: pytest.Monkey
     monkeypatch.setitem(sys.modules, "flashinfer", None)  # makes `import flashinfer` fail
     with pytest.raises(ImportError, match="needs the 'flashinfer' package"):
         create_backend("flashinfer")
+
+
+# ----------------------------------------------------------------------------------------------
+# KV layouts, planned dtypes, out=, fixed capacity
+
+
+def _layouts(kv_cache: torch.Tensor) -> dict[str, object]:
+    """The same pages in every layout the backends accept (see prefix_cache.attention.kv_layout)."""
+    k, v = kv_cache[:, 0], kv_cache[:, 1]
+    vllm = torch.stack([k, v])  # [2, pages, page_size, H, D]
+    hnd = torch.stack([k, v], dim=1).transpose(2, 3).contiguous()  # [pages, 2, H, page_size, D]
+    return {
+        "nhd": kv_cache,
+        "vllm": (vllm[0], vllm[1]),
+        "separate": (k.contiguous(), v.contiguous()),
+        "hnd": (hnd[:, 0].transpose(1, 2), hnd[:, 1].transpose(1, 2)),
+    }
+
+
+@pytest.mark.parametrize("name", ["torch", "triton"])
+def test_kv_layouts_give_the_same_attention(name: str) -> None:
+    backend = make_backend(name)
+    device = SWEEPS[name].device
+    generator = torch.Generator().manual_seed(3)
+    page_size, hq, hkv, d = 4, 4, 2, 16
+    tables = [np.array([5, 1, 7, 2]), np.array([5, 1, 3]), np.array([6, 0])]
+    kv_lens, qo_lens = [15, 11, 6], [1, 3, 2]
+    kv_cache = torch.randn(8, 2, page_size, hkv, d, generator=generator).to(device)
+    q = torch.randn(sum(qo_lens), hq, d, generator=generator).to(device)
+    plan = PLANNERS[2].plan(tables, kv_lens, qo_lens, page_size)
+    assert len(plan.levels) > 1
+    backend.plan(plan, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d)
+    expected = reference_attention(q, kv_cache, tables, kv_lens, qo_lens, d**-0.5)
+    for layout, kv in _layouts(kv_cache).items():
+        out = backend.run(q, kv)
+        torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=2e-5, msg=layout)
+
+
+def test_planned_dtype_and_out() -> None:
+    backend = make_backend("triton")
+    device = SWEEPS["triton"].device
+    plan = CascadePlanner().plan([np.arange(3)], [40], [2], 16)
+    backend.plan(plan, num_qo_heads=2, num_kv_heads=1, head_dim=16, q_dtype=torch.float32)
+    kv_cache = torch.randn(3, 2, 16, 1, 16, device=device)
+    q = torch.randn(2, 2, 16, device=device)
+    out = torch.full_like(q, float("nan"))
+    assert backend.run(q, kv_cache, out=out) is out and out.isfinite().all()
+    with pytest.raises(ValueError, match="planned"):
+        backend.run(q.half(), kv_cache.half())
+    with pytest.raises(ValueError, match="out must be like q"):
+        backend.run(q, kv_cache, out=out[:1])
+    with pytest.raises(ValueError, match="kv_dtype"):
+        backend.plan(plan, num_qo_heads=2, num_kv_heads=1, head_dim=16, q_dtype=torch.float16,
+                     kv_dtype=torch.float32)  # fmt: skip
+
+
+# Small on the CPU (Triton's interpreter); fixed capacity on the GPU is also replayed in CUDA graphs
+# (tests/test_kernels.py).
+SMALL = batches(min_page_size=4, max_page_size=4, max_conversations=2, max_samples=2, max_segment_pages=2,
+                max_qo_len=4)  # fmt: skip
+
+
+def test_fixed_capacity_replans_into_the_same_buffers() -> None:
+    """One backend, many different plans (depth, lengths, padding rows): every run is right, and no
+    plan moves a buffer, so a CUDA graph captured once stays valid."""
+    pytest.importorskip("triton")
+    from prefix_cache.attention.triton_backend import GraphCapacity, TritonBackend
+
+    device = SWEEPS["triton"].device
+    capacity = GraphCapacity(max_query_tokens=40, max_pages=200, max_levels=4)
+    backend = TritonBackend(device, capacity=capacity)
+    hq, hkv, d = 4, 2, 16
+    buffers: list[int] = []
+
+    @settings(max_examples=12, deadline=None)
+    @given(data=st.data(), batch=SMALL)
+    def check(data: st.DataObject, batch: Batch) -> None:
+        planner = data.draw(st.sampled_from(PLANNERS), label="planner")
+        plan = planner.plan(batch.block_tables, batch.kv_lens, batch.qo_lens, batch.page_size)
+        generator = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1), label="seed"))
+        kv_cache = torch.randn(batch.num_pages, 2, batch.page_size, hkv, d, generator=generator).to(device)
+        nq = plan.num_query_tokens
+        q = torch.randn(capacity.max_query_tokens, hq, d, generator=generator).to(device)  # padded
+        backend.plan(plan, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d)
+        ptrs = [backend._ints.data_ptr(), backend._part_o.data_ptr(), backend._part_lse.data_ptr()]
+        if buffers:
+            assert ptrs == buffers, "a plan moved a device buffer"
+        buffers[:] = ptrs
+        out = torch.full_like(q, float("nan"))
+        backend.run(q, kv_cache, out=out)
+        expected = reference_attention(
+            q[:nq], kv_cache, batch.block_tables, batch.kv_lens, batch.qo_lens, d**-0.5
+        )
+        torch.testing.assert_close(out[:nq].double(), expected, atol=2e-5, rtol=2e-5)
+        assert out[nq:].isnan().all(), "padding rows must be left as they were"
+
+    check()
+
+
+def test_fixed_capacity_rejects_what_does_not_fit() -> None:
+    pytest.importorskip("triton")
+    from prefix_cache.attention.triton_backend import GraphCapacity, TritonBackend
+
+    device = SWEEPS["triton"].device
+    backend = TritonBackend(device, capacity=GraphCapacity(max_query_tokens=4, max_pages=8, max_levels=2))
+    heads = dict(num_qo_heads=2, num_kv_heads=1, head_dim=16)
+    ok = CascadePlanner().plan([np.arange(2)], [20], [3], 16)
+    backend.plan(ok, **heads)
+    for tables, kv_lens, qo_lens, what in (
+        ([np.arange(2)], [20], [5], "5 query tokens"),
+        ([np.arange(9)], [140], [1], "9 pages"),
+    ):
+        with pytest.raises(ValueError, match=f"{what}, over the backend's capacity"):
+            backend.plan(CascadePlanner().plan(tables, kv_lens, qo_lens, 16), **heads)
+        with pytest.raises(RuntimeError, match="before plan"):
+            backend.run(torch.zeros(3, 2, 16, device=device), torch.zeros(9, 2, 16, 1, 16, device=device))
+    deep = CascadePlanner(min_shared_tokens=1, min_saved_tokens=0, max_levels=3)
+    tables = [np.array([0, 1, 2]), np.array([0, 1, 3]), np.array([0, 4])]
+    with pytest.raises(ValueError, match="3 levels"):
+        backend.plan(deep.plan(tables, [40, 40, 20], [1, 1, 1], 16), **heads)
+    with pytest.raises(ValueError, match="keeps its heads"):
+        backend.plan(ok, num_qo_heads=4, num_kv_heads=1, head_dim=16)
+    backend.plan(ok, **heads)  # the buffers still serve plans that fit
+    kv_cache = torch.randn(2, 2, 16, 1, 16, device=device)
+    assert backend.run(torch.randn(4, 2, 16, device=device), kv_cache).isfinite().all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_auto_backend_routes() -> None:
+    """Each route of the auto backend against the float64 reference: prefill on FlashInfer (one level,
+    and a cascade on its multi-level wrapper), unshared decode on FlashInfer's decode wrapper, shared
+    decode on our kernels."""
+    pytest.importorskip("flashinfer")
+    from prefix_cache.attention.auto_backend import Routing
+
+    backend = create_backend("auto", routing=Routing(prefill_min_tokens=8, prefill_tokens=16))
+    page_size, hq, hkv, d, dtype = 16, 32, 8, 128, torch.bfloat16
+    generator = torch.Generator().manual_seed(9)
+    kv_cache = torch.randn(400, 2, page_size, hkv, d, generator=generator).to("cuda", dtype)
+    shared = list(range(32))  # 512 tokens
+    cases = [
+        ("flashinfer", [np.arange(40, 60), np.arange(60, 80)], [300, 310], [40, 17]),
+        ("flashinfer", [np.array([*shared, 100 + i, 120 + i]) for i in range(8)], [540] * 8, [20, 1] * 4),
+        ("flashinfer", [np.arange(40, 60), np.arange(60, 80)], [300, 310], [1, 1]),
+        ("triton", [np.array([*shared, 100 + i]) for i in range(8)], [520] * 8, [1] * 8),
+    ]
+    for route, tables, kv_lens, qo_lens in cases:
+        plan = CascadePlanner(min_shared_tokens=256, min_saved_tokens=0).plan(
+            tables, kv_lens, qo_lens, page_size
+        )
+        backend.plan(plan, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, q_dtype=dtype)
+        assert backend.route == route
+        q = torch.randn(sum(qo_lens), hq, d, generator=generator).to("cuda", dtype)
+        out = backend.run(q, kv_cache)
+        expected = reference_attention(q, kv_cache, tables, kv_lens, qo_lens, d**-0.5)
+        scale = float(expected.abs().max())
+        torch.testing.assert_close(out.double(), expected, atol=1.6e-2 * scale, rtol=0, msg=route)

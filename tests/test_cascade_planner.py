@@ -132,8 +132,12 @@ def plan_of(batch: Batch, planner: CascadePlanner | None = None) -> CascadePlan:
     return plan
 
 
+# The sharing thresholds alone (the calibrated cost model decides only when none are given).
+THRESHOLDS = CascadePlanner(min_shared_tokens=256, min_saved_tokens=7 * 256)
+
+
 def test_cost_model_shares_long_prefixes_of_many_requests() -> None:
-    plan = plan_of(decode_batch([(64, 16)]))  # 1024 tokens x 16 requests
+    plan = plan_of(decode_batch([(64, 16)]), THRESHOLDS)  # 1024 tokens x 16 requests
     assert len(plan.levels) == 2
     shared = plan.levels[0]
     assert shared.qo_indptr.tolist() == [0, 16] and shared.kv_indices.tolist() == list(range(64))
@@ -152,8 +156,17 @@ def test_cost_model_folds_short_or_rarely_shared_prefixes(groups: list[tuple[int
 
 
 def test_cost_model_break_even() -> None:
-    assert len(plan_of(decode_batch([(16, 8)])).levels) == 2  # 256 tokens x 8 requests
-    assert len(plan_of(decode_batch([(128, 2)])).levels) == 2  # 2048 tokens x 2 requests
+    assert len(plan_of(decode_batch([(16, 8)]), THRESHOLDS).levels) == 2  # 256 tokens x 8 requests
+    assert len(plan_of(decode_batch([(128, 2)]), THRESHOLDS).levels) == 2  # 2048 tokens x 2 requests
+
+
+def test_calibrated_cost_model_chooses_the_faster_plan() -> None:
+    """Cases measured on the H200 (benchmarks/results/attention_h200.md, CUDA-graph times): a
+    4096-token prefix shared by 64 decodes runs 3x faster as a cascade; 256 tokens shared by 8
+    decodes runs faster as one level; with no cost model the thresholds keep the latter."""
+    assert len(plan_of(decode_batch([(256, 64)], unique_pages=32)).levels) == 2
+    assert len(plan_of(decode_batch([(16, 8)], unique_pages=16)).levels) == 1
+    assert len(plan_of(decode_batch([(16, 8)], unique_pages=16), CascadePlanner(cost_model=None)).levels) == 2
 
 
 def test_nested_sharing_makes_nested_levels() -> None:
@@ -164,13 +177,20 @@ def test_nested_sharing_makes_nested_levels() -> None:
             tables.append(np.r_[np.arange(32), 100 + 64 * c + np.arange(64), np.arange(page, page + 3)])
             page += 3
     batch = Batch(tables, np.array([t.shape[0] * 16 for t in tables]), np.ones(32, dtype=np.int64), 16, page)
-    plan = plan_of(batch)
+    plan = plan_of(batch, THRESHOLDS)
     assert len(plan.levels) == 3
     assert plan.levels[0].qo_indptr.tolist() == [0, 32]
     assert plan.levels[1].qo_indptr.tolist() == [0, 8, 16, 24, 32]
     assert np.diff(plan.levels[1].kv_indptr).tolist() == [64] * 4
     # Two levels at most: the deeper nodes fold into the unique level.
-    assert len(plan_of(batch, CascadePlanner(max_levels=2)).levels) == 2
+    assert (
+        len(
+            plan_of(
+                batch, CascadePlanner(min_shared_tokens=256, min_saved_tokens=7 * 256, max_levels=2)
+            ).levels
+        )
+        == 2
+    )
     # A folded system prompt goes to each conversation's segment.
     plan = plan_of(batch, CascadePlanner(min_shared_tokens=1024))
     assert len(plan.levels) == 2 and np.diff(plan.levels[0].kv_indptr).tolist() == [96] * 4

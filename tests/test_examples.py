@@ -68,8 +68,8 @@ def test_engine_loop_check_catches_a_wrong_torch_backend(corrupt, capsys, monkey
     from prefix_cache.attention.torch_backend import TorchBackend
 
     engine_loop = _load("engine_loop")
-    run = TorchBackend._run
-    monkeypatch.setattr(TorchBackend, "_run", lambda self, plan, q, kv: corrupt(run(self, plan, q, kv)))
+    run = TorchBackend.run
+    monkeypatch.setattr(TorchBackend, "run", lambda self, q, kv, **kw: corrupt(run(self, q, kv, **kw)))
     assert engine_loop.main(["--backend", "torch", "--check", *SMALL]) == 1
     assert "check failed" in capsys.readouterr().out
 

@@ -12,6 +12,12 @@ from prefix_cache.attention.base import AttentionBackend
 
 # name -> (module, class, the optional package it needs or None, how to get that package)
 _BACKENDS: dict[str, tuple[str, str, str | None, str]] = {
+    "auto": (
+        "prefix_cache.attention.auto_backend",
+        "AutoBackend",
+        "triton",
+        "pip install 'prefix-cache[triton]'",
+    ),
     "torch": ("prefix_cache.attention.torch_backend", "TorchBackend", None, ""),
     "triton": (
         "prefix_cache.attention.triton_backend",
@@ -31,9 +37,11 @@ BACKEND_NAMES: tuple[str, ...] = tuple(_BACKENDS)
 
 
 def create_backend(name: str, **kwargs: object) -> AttentionBackend:
-    """A new backend of the given name ("torch", "triton" or "flashinfer"); ``kwargs`` go to its
-    constructor. Raises ValueError for an unknown name and ImportError, saying what to install, when
-    the backend's optional dependency is missing."""
+    """A new backend of the given name ("auto", "torch", "triton" or "flashinfer"); ``kwargs`` go to
+    its constructor. "auto" is the one for engines: our Triton kernels, and FlashInfer's where they
+    are faster and installed (see ``prefix_cache.attention.auto_backend``). Raises ValueError for an
+    unknown name and ImportError, saying what to install, when the backend's optional dependency is
+    missing."""
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; known: {', '.join(BACKEND_NAMES)}")
     module_name, class_name, dependency, how = _BACKENDS[name]

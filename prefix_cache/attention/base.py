@@ -10,6 +10,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from prefix_cache.attention.kv_layout import KVCache, split_kv_cache
 from prefix_cache.cascade import CascadePlan
 
 #: Query/KV dtypes the interface accepts (a backend may accept fewer and says so when run).
@@ -20,8 +21,9 @@ class AttentionBackend(ABC):
     """Computes attention for a batch described by a ``CascadePlan``.
 
     Usage per engine step: ``backend.plan(plan, ...)`` once (host-side work, uploads of the plan's
-    index arrays), then ``backend.run(q, kv_cache)`` for every layer. This class checks the arguments
-    and keeps the planned shapes; a backend implements ``_prepare`` and ``_run``.
+    index arrays, every check that does not depend on the layer), then ``backend.run(q, kv_cache)``
+    for every layer, which only checks what a layer can change (shapes, dtype, device). This class
+    does those checks and keeps the planned shapes; a backend implements ``_prepare`` and ``_run``.
     """
 
     #: The name ``create_backend`` knows this backend by.
@@ -31,6 +33,11 @@ class AttentionBackend(ABC):
         self._plan: CascadePlan | None = None
         self.num_qo_heads = self.num_kv_heads = self.head_dim = 0
         self.sm_scale = 1.0
+        #: The dtype of q and the KV cache given to ``plan``, or None: fixed by each ``run``.
+        self.dtype: torch.dtype | None = None
+        # Query rows run() accepts: exactly the plan's, or up to this many (fixed-capacity backends,
+        # whose extra rows are padding).
+        self._max_query_rows: int | None = None
 
     def plan(
         self,
@@ -40,41 +47,66 @@ class AttentionBackend(ABC):
         num_kv_heads: int,
         head_dim: int,
         sm_scale: float | None = None,
+        q_dtype: torch.dtype | None = None,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         """Prepare to run ``plan``. ``num_qo_heads`` must be a multiple of ``num_kv_heads`` (GQA);
-        ``sm_scale`` defaults to ``head_dim ** -0.5``. If this raises, the backend holds no plan."""
+        ``sm_scale`` defaults to ``head_dim ** -0.5``. ``q_dtype`` / ``kv_dtype`` (one of
+        ``SUPPORTED_DTYPES``, the same for both; ``kv_dtype`` defaults to ``q_dtype``) let a backend
+        finish its planning here (FlashInfer needs them); without them it may finish at the first
+        ``run``. If this raises, the backend holds no plan."""
         scale = check_plan_args(num_qo_heads, num_kv_heads, head_dim, sm_scale)
+        dtype = check_plan_dtypes(q_dtype, kv_dtype)
         self._plan = None
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
         self.sm_scale = scale
+        self.dtype = dtype
         self._prepare(plan)
         self._plan = plan
 
-    def run(self, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+    def run(self, q: torch.Tensor, kv_cache: KVCache, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of the planned batch for one layer.
 
         q: [num_query_tokens, num_qo_heads, head_dim], the engine's request order (request 0's query
-            tokens first), fp16, bf16 or fp32.
-        kv_cache: [num_pages, 2, page_size, num_kv_heads, head_dim] (K at index 0, V at 1; NHD), same dtype.
-        Returns [num_query_tokens, num_qo_heads, head_dim] in q's dtype and order.
+            tokens first), fp16, bf16 or fp32 (the planned dtype, if one was given).
+        kv_cache: [num_pages, 2, page_size, num_kv_heads, head_dim] (K at index 0, V at 1; NHD), or a
+            (k_cache, v_cache) pair of [num_pages, page_size, num_kv_heads, head_dim] tensors of any
+            strides (see ``prefix_cache.attention.kv_layout``); q's dtype and device.
+        out: optional [num_query_tokens, num_qo_heads, head_dim] tensor in q's dtype to write into
+            (no allocation); a new one otherwise.
+        Returns the output, [num_query_tokens, num_qo_heads, head_dim] in q's dtype and order.
         """
-        plan = check_run_args(
-            self._plan,
-            q,
-            kv_cache,
-            num_qo_heads=self.num_qo_heads,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-        )
-        return self._run(plan, q, kv_cache)
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("run() called before plan()")
+        k, v = split_kv_cache(kv_cache)
+        check_run_tensors(self, plan, q, k)
+        if out is None:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1:
+            raise ValueError(
+                f"out must be like q ({tuple(q.shape)}, {q.dtype}, {q.device}), got "
+                f"{tuple(out.shape)}, {out.dtype}, {out.device}"
+            )
+        self._run(plan, q, kv_cache, k, v, out)
+        return out
 
     @abstractmethod
     def _prepare(self, plan: CascadePlan) -> None:
-        """The backend's host-side work for ``plan``; the head counts and ``sm_scale`` are set."""
+        """The backend's host-side work for ``plan``; the head counts, ``sm_scale`` and ``dtype`` are set."""
 
     @abstractmethod
-    def _run(self, plan: CascadePlan, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
-        """``run`` on arguments already checked against ``plan``."""
+    def _run(
+        self,
+        plan: CascadePlan,
+        q: torch.Tensor,
+        kv_cache: KVCache,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        """``run`` on arguments already checked against ``plan``: write the output into ``out``.
+        ``k`` and ``v`` are the [num_pages, page_size, Hkv, D] views of ``kv_cache``."""
 
 
 def check_plan_args(num_qo_heads: int, num_kv_heads: int, head_dim: int, sm_scale: float | None) -> float:
@@ -89,51 +121,49 @@ def check_plan_args(num_qo_heads: int, num_kv_heads: int, head_dim: int, sm_scal
     return head_dim**-0.5 if sm_scale is None else float(sm_scale)
 
 
-def check_run_args(
-    plan: CascadePlan | None,
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    *,
-    num_qo_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-) -> CascadePlan:
-    """Validate ``run``'s tensors against the plan and the planned shapes; returns the plan."""
-    if plan is None:
-        raise RuntimeError("run() called before plan()")
-    expected_q = (plan.num_query_tokens, num_qo_heads, head_dim)
-    if tuple(q.shape) != expected_q:
-        raise ValueError(f"q has shape {tuple(q.shape)}, the plan needs {expected_q}")
-    if (
-        kv_cache.dim() != 5
-        or kv_cache.shape[1] != 2
-        or tuple(kv_cache.shape[2:])
-        != (
-            plan.page_size,
-            num_kv_heads,
-            head_dim,
-        )
-    ):
+def check_plan_dtypes(q_dtype: torch.dtype | None, kv_dtype: torch.dtype | None) -> torch.dtype | None:
+    """The planned dtype of q and the KV cache (None: not given)."""
+    if q_dtype is None and kv_dtype is None:
+        return None
+    dtype = q_dtype if q_dtype is not None else kv_dtype
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"q_dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
+    if kv_dtype is not None and kv_dtype != dtype:
+        raise ValueError(f"kv_dtype ({kv_dtype}) must equal q_dtype ({dtype})")
+    return dtype
+
+
+def check_run_tensors(backend: AttentionBackend, plan: CascadePlan, q: torch.Tensor, k: torch.Tensor) -> None:
+    """Validate ``run``'s q and K view against the plan and the planned shapes (a handful of
+    comparisons: everything that cannot change between layers was checked by ``plan``)."""
+    rows = q.shape[0]
+    ok_rows = rows == plan.num_query_tokens or (
+        backend._max_query_rows is not None and plan.num_query_tokens <= rows <= backend._max_query_rows
+    )
+    if q.dim() != 3 or not ok_rows or q.shape[1] != backend.num_qo_heads or q.shape[2] != backend.head_dim:
         raise ValueError(
-            f"kv_cache has shape {tuple(kv_cache.shape)}, the plan needs "
-            f"[num_pages, 2, {plan.page_size}, {num_kv_heads}, {head_dim}]"
+            f"q has shape {tuple(q.shape)}, the plan needs "
+            f"{(plan.num_query_tokens, backend.num_qo_heads, backend.head_dim)}"
         )
-    if q.dtype not in SUPPORTED_DTYPES or kv_cache.dtype != q.dtype:
+    if k.shape[1] != plan.page_size or k.shape[2] != backend.num_kv_heads or k.shape[3] != backend.head_dim:
         raise ValueError(
-            f"q and kv_cache must share one of {SUPPORTED_DTYPES}, got {q.dtype}, {kv_cache.dtype}"
+            f"kv_cache has pages of {tuple(k.shape[1:])}, the plan needs "
+            f"[num_pages, 2, {plan.page_size}, {backend.num_kv_heads}, {backend.head_dim}] "
+            "or (k, v) of [num_pages, page_size, num_kv_heads, head_dim]"
         )
-    if q.device != kv_cache.device:
-        raise ValueError(f"q is on {q.device}, kv_cache on {kv_cache.device}")
-    return plan
+    dtype = backend.dtype
+    if (dtype is not None and q.dtype != dtype) or q.dtype not in SUPPORTED_DTYPES or k.dtype != q.dtype:
+        raise ValueError(
+            f"q and kv_cache must share one of {SUPPORTED_DTYPES}"
+            + (f" (planned: {dtype})" if dtype is not None else "")
+            + f", got {q.dtype}, {k.dtype}"
+        )
+    if q.device != k.device:
+        raise ValueError(f"q is on {q.device}, kv_cache on {k.device}")
+    if q.stride(-1) != 1:
+        raise ValueError("the head_dim axis of q must be contiguous")
 
 
 def to_planned_order(x: torch.Tensor, query_order: torch.Tensor) -> torch.Tensor:
     """Rows of ``x`` (engine order) in planned order. query_order: int64 [num_query_tokens], on x's device."""
     return x.index_select(0, query_order)
-
-
-def to_engine_order(x: torch.Tensor, query_order: torch.Tensor) -> torch.Tensor:
-    """Inverse of ``to_planned_order``: rows of ``x`` (planned order) back in the engine's order."""
-    out = torch.empty_like(x)
-    out.index_copy_(0, query_order, x)
-    return out

@@ -1,8 +1,11 @@
-"""A backend on FlashInfer's paged prefill kernels and its multi-level cascade wrapper (CUDA only).
+"""A backend on FlashInfer's paged decode and prefill kernels and its multi-level cascade wrapper
+(CUDA only).
 
 FlashInfer plans on the host per level (``plan``) and runs per layer (``run``); its plan needs the
-query dtype, which the interface only gives at ``run``, so FlashInfer's plan is made at the first run
-of a step and again whenever the dtype changes.
+query dtype: given to ``plan`` (``q_dtype=``), FlashInfer plans there; otherwise at the first run of a
+step and again whenever the dtype changes. A plan of one causal level with one query per request
+(plain decode) runs on the decode wrapper with tensor cores, other one-level plans on the paged
+prefill wrapper (FA3 on Hopper), shared levels on the cascade wrapper.
 
 Groups that have queries but no KV at a level (a request outside every shared node of that level) are
 taken out of the level before FlashInfer sees it, and the level runs on the remaining query rows only:
@@ -20,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from prefix_cache.attention.base import AttentionBackend, to_engine_order, to_planned_order
+from prefix_cache.attention.base import AttentionBackend, to_planned_order
 from prefix_cache.cascade import CascadeLevel, CascadePlan
 
 _FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
@@ -103,6 +106,8 @@ class FlashInferBackend(AttentionBackend):
         self._rows: list[torch.Tensor | None] = []
         self._query_order = torch.zeros(0, dtype=torch.int64)
         self._planned_dtype: torch.dtype | None = None
+        self._decode = None  # made on first use
+        self._decode_wrapper = None  # the decode wrapper when the current plan is plain decode
 
     def _prepare(self, plan: CascadePlan) -> None:
         levels = [compact_level(level) for level in plan.levels]
@@ -116,22 +121,41 @@ class FlashInferBackend(AttentionBackend):
         ]
         self._query_order = torch.from_numpy(plan.query_order).to(self._device)
         self._planned_dtype = None
+        self._decode_wrapper = None
+        if self.dtype is not None and plan.num_query_tokens:
+            if self.dtype not in _FLASHINFER_DTYPES:
+                raise ValueError(f"the 'flashinfer' attention backend takes fp16 or bf16, got {self.dtype}")
+            self._plan_flashinfer(self.dtype, plan.page_size)
 
-    def _run(self, plan: CascadePlan, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+    def _run(self, plan: CascadePlan, q, kv_cache, k, v, out) -> None:
         if q.dtype not in _FLASHINFER_DTYPES:
             raise ValueError(f"the 'flashinfer' attention backend takes fp16 or bf16, got {q.dtype}")
         if q.device != self._device:
             raise ValueError(f"q is on {q.device}, this backend on {self._device}")
         if plan.num_query_tokens == 0:
-            return torch.empty_like(q)
+            return
         if self._planned_dtype != q.dtype:
             self._plan_flashinfer(q.dtype, plan.page_size)
+        # FlashInfer takes the 5-D NHD tensor or a (k, v) pair of 4-D tensors, reading page strides.
+        paged = kv_cache if isinstance(kv_cache, torch.Tensor) else (k, v)
         q_planned = to_planned_order(q, self._query_order)
-        if self._use_cascade_wrapper():
-            out = self._cascade_wrappers[len(self._levels)].run(q_planned, kv_cache)
+        if self._decode_wrapper is not None:
+            result = self._decode_wrapper.run(q_planned, paged)
+        elif self._use_cascade_wrapper():
+            result = self._cascade_wrappers[len(self._levels)].run(q_planned, paged)
         else:
-            out = self._run_levels(q_planned, kv_cache)
-        return to_engine_order(out, self._query_order)
+            result = self._run_levels(q_planned, paged)
+        out.index_copy_(0, self._query_order, result)
+
+    def _use_decode_wrapper(self) -> bool:
+        """One causal level where every query token is its own group's only one: plain decode, which
+        FlashInfer's decode wrapper (tensor-core kernels) runs faster than its prefill kernels."""
+        return (
+            len(self._levels) == 1
+            and self._rows[0] is None
+            and self._levels[0].causal
+            and bool((np.diff(self._levels[0].qo_indptr) == 1).all())
+        )
 
     def _use_cascade_wrapper(self) -> bool:
         """The cascade wrapper runs every level on every query, shared levels non-causal and the last
@@ -149,7 +173,18 @@ class FlashInferBackend(AttentionBackend):
             [torch.from_numpy(a) for a in (lv.qo_indptr, lv.kv_indptr, lv.kv_indices, lv.kv_last_page_len)]
             for lv in self._levels
         ]
-        if self._use_cascade_wrapper():
+        self._decode_wrapper = None
+        if self._use_decode_wrapper():
+            if self._decode is None:
+                self._decode = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                    self._workspace, "NHD", use_tensor_cores=True
+                )
+            _, kvp, idx, last = arrays[0]
+            self._decode.plan(
+                kvp, idx, last, *heads, sm_scale=self.sm_scale, q_data_type=dtype, kv_data_type=dtype
+            )
+            self._decode_wrapper = self._decode
+        elif self._use_cascade_wrapper():
             wrapper = self._cascade_wrappers.get(len(self._levels))
             if wrapper is None:
                 wrapper = self._flashinfer.MultiLevelCascadeAttentionWrapper(

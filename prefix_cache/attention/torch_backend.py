@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from prefix_cache.attention.base import AttentionBackend, to_engine_order, to_planned_order
+from prefix_cache.attention.base import AttentionBackend, to_planned_order
 from prefix_cache.attention.merge import merge_states
 from prefix_cache.cascade import CascadeLevel, CascadePlan
 
@@ -26,20 +26,23 @@ class TorchBackend(AttentionBackend):
     def _prepare(self, plan: CascadePlan) -> None:
         self._query_order = torch.from_numpy(plan.query_order).to(self._device)
 
-    def _run(self, plan: CascadePlan, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+    def _run(
+        self, plan: CascadePlan, q, kv_cache, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
+    ) -> None:
         query_order = self._query_order.to(q.device)
         q_planned = to_planned_order(q, query_order).float()
-        states = [self._attend_level(level, q_planned, kv_cache) for level in plan.levels]
-        out, _ = merge_states([o for o, _ in states], [s for _, s in states])
-        return to_engine_order(out.to(q.dtype), query_order)
+        states = [self._attend_level(level, q_planned, k, v) for level in plan.levels]
+        merged, _ = merge_states([o for o, _ in states], [s for _, s in states])
+        out.index_copy_(0, query_order, merged.to(q.dtype))
 
     def _attend_level(
-        self, level: CascadeLevel, q: torch.Tensor, kv_cache: torch.Tensor
+        self, level: CascadeLevel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(out [T, Hq, D], lse [T, Hq]) of one level, float32; rows of groups without KV: 0, -inf."""
+        """(out [T, Hq, D], lse [T, Hq]) of one level, float32; rows of groups without KV: 0, -inf.
+        k_cache, v_cache: [num_pages, page_size, Hkv, D]."""
         out = torch.zeros_like(q)
         lse = torch.full(q.shape[:2], float("-inf"), device=q.device)
-        page_size = kv_cache.shape[2]
+        page_size = k_cache.shape[1]
         pages = torch.from_numpy(level.kv_indices.astype(np.int64)).to(q.device)
         for g in range(level.qo_indptr.shape[0] - 1):
             q0, q1 = int(level.qo_indptr[g]), int(level.qo_indptr[g + 1])
@@ -47,9 +50,8 @@ class TorchBackend(AttentionBackend):
             if q0 == q1 or p0 == p1:
                 continue
             kv_len = (p1 - p0 - 1) * page_size + int(level.kv_last_page_len[g])
-            kv = kv_cache[pages[p0:p1]].float()  # [pages, 2, page_size, Hkv, D]
-            k = kv[:, 0].flatten(0, 1)[:kv_len]
-            v = kv[:, 1].flatten(0, 1)[:kv_len]
+            k = k_cache[pages[p0:p1]].float().flatten(0, 1)[:kv_len]  # [kv_len, Hkv, D]
+            v = v_cache[pages[p0:p1]].float().flatten(0, 1)[:kv_len]
             out[q0:q1], lse[q0:q1] = self._attend(q[q0:q1], k, v, level.causal)
         return out, lse
 

@@ -1,21 +1,141 @@
 """Cascade attention with the Triton kernels of ``prefix_cache.kernels``.
 
-Per ``run``: one level-attention launch per level, then one merge launch. Every (level, split) of a
-query token writes a partial (out, lse) row into one float32 buffer, the token's rows contiguous; the
-merge combines them and writes the token's output straight to its engine-order row. The level
-kernels read q through the same permutation, so q is never copied. A plan with one level and no
-split skips the buffer: that level writes the output directly.
+``plan`` cuts every level into work items (``prefix_cache.kernels.work``), groups the items of all
+levels by tile shape into one launch per shape, and uploads everything (work lists, page ids, row
+tables) into one int32 device buffer with a single copy. ``run`` then only checks the layer's
+tensors and launches: one attention launch per tile shape (usually one or two), then one merge
+launch. Every (level, split) of a query token writes a partial (out, lse) row into one float32
+buffer, the token's rows contiguous; the merge combines them and writes the token's output straight
+to its engine-order row. The attention kernel reads q through the same permutation, so q is never
+copied. A plan with one level and no split skips the buffer: that level writes the output directly.
+
+With a ``GraphCapacity`` the backend keeps fixed-size buffers and a fixed set of launches (a narrow
+and a wide tile, each over a fixed persistent grid, then the merge over every row): ``run`` can be
+captured in a CUDA graph once and replayed after any later ``plan`` that fits the capacity, because
+``plan`` only rewrites the contents of the same device buffers.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from prefix_cache.attention.base import AttentionBackend
 from prefix_cache.cascade import CascadePlan
-from prefix_cache.kernels.attention import LevelSchedule, launch_level, plan_level
-from prefix_cache.kernels.merge_state import merge_states_varlen
+from prefix_cache.kernels._common import LOG2E, check_runnable, num_sms
+from prefix_cache.kernels.attention import launch_attention
+from prefix_cache.kernels.merge_state import launch_merge
+from prefix_cache.kernels.work import (
+    MAX_SPLITS,
+    OROW,
+    PAGE0,
+    WORK_COLS,
+    TileConfig,
+    check_level,
+    fixed_tile_configs,
+    level_work,
+    longest_first,
+    tile_config,
+)
+
+
+@dataclass(frozen=True)
+class GraphCapacity:
+    """Fixed sizes of a backend whose ``run`` is captured in a CUDA graph and replayed across plans.
+
+    max_query_tokens: query tokens of the largest batch (the rows of the q a graph is captured with;
+        a smaller batch is padded by the engine, its extra output rows are left as they were).
+    max_pages: page ids over all levels of a plan (the sum of ``len(level.kv_indices)``).
+    max_levels: levels of a plan (``CascadePlanner.max_levels``).
+    max_work_items: work items per launch; default ``max_query_tokens * max_levels`` plus room
+        for 2048 split items.
+    max_partial_rows: partial (out, lse) float32 rows of ``num_qo_heads * head_dim``; default
+        ``max_query_tokens * max_levels`` plus room for 4096 split rows (64 MiB at 32 x 128).
+    A plan whose splits do not fit takes fewer, longer splits.
+    """
+
+    max_query_tokens: int
+    max_pages: int
+    max_levels: int = 4
+    max_work_items: int | None = None
+    max_partial_rows: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_query_tokens", "max_pages", "max_levels"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GraphCapacity.{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def work_items(self) -> int:
+        if self.max_work_items is not None:
+            return self.max_work_items
+        return self.max_query_tokens * self.max_levels + 2048
+
+    @property
+    def partial_rows(self) -> int:
+        if self.max_partial_rows is not None:
+            return self.max_partial_rows
+        return self.max_query_tokens * self.max_levels + 4096
+
+
+@dataclass(frozen=True)
+class _Launch:
+    """One attention launch: a tile shape, its work list (a view of the int buffer) and its grid."""
+
+    tile: TileConfig
+    work: torch.Tensor
+    num_work: torch.Tensor
+    num_programs: int
+
+
+class _Sections:
+    """Offsets of the int32 sections in the one device buffer of a plan: the item counts, the row
+    tables, the work lists, and the page ids last (so an upload can stop where the pages do)."""
+
+    def __init__(self, work_items: list[int], pages: int, levels: int, tokens: int) -> None:
+        self.work_items, self.pages, self.levels, self.tokens = work_items, pages, levels, tokens
+        self.num_work = 0
+        self.o_rows = len(work_items)
+        self.q_rows = self.o_rows + levels * tokens
+        self.starts = self.q_rows + tokens
+        self.counts = self.starts + tokens
+        offset = self.counts + tokens
+        self.work: list[int] = []
+        for n in work_items:
+            self.work.append(offset)
+            offset += n * WORK_COLS
+        self.kv_indices = offset
+        self.size = offset + pages
+
+
+class _Upload:
+    """Host-to-device copies of a plan's int32 image without a host sync: the image is written into a
+    pinned buffer and copied asynchronously on the current stream; the next plan waits for that copy
+    (not for the kernels) before writing the buffer again. Plain copies for CPU tensors."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._pinned = device.type == "cuda"
+        self._host = torch.zeros(0, dtype=torch.int32)
+        self._done: torch.cuda.Event | None = None
+
+    def image(self, size: int) -> np.ndarray:
+        """A writable int32 host array of ``size`` elements (contents undefined, kept across calls)."""
+        if self._done is not None:
+            self._done.synchronize()
+        if self._host.numel() < size:
+            self._host = torch.zeros(
+                max(size, 2 * self._host.numel()), dtype=torch.int32, pin_memory=self._pinned
+            )
+        return self._host.numpy()[:size]
+
+    def copy(self, dst: torch.Tensor, size: int) -> None:
+        """Copy the first ``size`` elements of the image into ``dst[:size]``."""
+        dst[:size].copy_(self._host[:size], non_blocking=self._pinned)
+        if self._pinned:
+            self._done = torch.cuda.Event()
+            self._done.record()
 
 
 class TritonBackend(AttentionBackend):
@@ -24,11 +144,19 @@ class TritonBackend(AttentionBackend):
     device: where plans are uploaded and ``run`` expects its tensors; default CUDA when available.
     kv_chunk_size: force a split-KV chunk length in tokens for every level (tests); None lets each
         level choose from its KV lengths and the SM count.
+    capacity: fixed sizes for CUDA-graph replay across plans (see ``GraphCapacity``); None sizes
+        every plan exactly.
     """
 
     name = "triton"
 
-    def __init__(self, device: torch.device | str | None = None, *, kv_chunk_size: int | None = None):
+    def __init__(
+        self,
+        device: torch.device | str | None = None,
+        *,
+        kv_chunk_size: int | None = None,
+        capacity: GraphCapacity | None = None,
+    ):
         super().__init__()
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -37,74 +165,226 @@ class TritonBackend(AttentionBackend):
             # Tensors report their index ("cuda:0"); compare against the same spelling.
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.kv_chunk_size = kv_chunk_size
-        self._query_order = torch.zeros(0, dtype=torch.int64)
+        self.capacity = capacity
+        self._max_query_rows = None if capacity is None else capacity.max_query_tokens
         self._direct = False
-        self._levels: list[LevelSchedule] = []
-        self._o_rows: list[torch.Tensor] = []
+        self._max_page = -1
+        self._launches: list[_Launch] = []
+        self._ints: torch.Tensor | None = None  # the plan's int32 device buffer
+        self._upload = _Upload(self.device)
+        self._sections: _Sections | None = None
+        self._q_rows = self._o_rows = self._kv_indices = self._starts = self._counts = None
         self._part_o: torch.Tensor | None = None
         self._part_lse: torch.Tensor | None = None
-        self._starts: torch.Tensor | None = None
-        self._counts: torch.Tensor | None = None
+        self._fixed_shape: tuple | None = None  # (heads, head_dim, page_size, sm_scale) of the buffers
+
+    # ------------------------------------------------------------------------------------------
+    # plan
 
     def _prepare(self, plan: CascadePlan) -> None:
-        num_qo_heads, num_kv_heads, head_dim = self.num_qo_heads, self.num_kv_heads, self.head_dim
         if not plan.levels:
             raise ValueError("a cascade plan needs at least one level")
         nq = plan.num_query_tokens
         levels = [
-            plan_level(
-                level.qo_indptr, level.kv_indptr, level.kv_indices, level.kv_last_page_len,
-                causal=level.causal, page_size=plan.page_size, num_qo_heads=num_qo_heads,
-                num_kv_heads=num_kv_heads, head_dim=head_dim, device=self.device,
-                kv_chunk_size=self.kv_chunk_size,
-            )
-            for level in plan.levels
-        ]  # fmt: skip
-        for i, sched in enumerate(levels):
-            if sched.num_query_tokens != nq:
-                raise ValueError(f"level {i} covers {sched.num_query_tokens} query tokens, the plan has {nq}")
+            check_level(lv.qo_indptr, lv.kv_indptr, lv.kv_indices, lv.kv_last_page_len, plan.page_size)
+            for lv in plan.levels
+        ]
+        for i, level in enumerate(levels):
+            if level.num_query_tokens != nq:
+                raise ValueError(f"level {i} covers {level.num_query_tokens} query tokens, the plan has {nq}")
         order = np.asarray(plan.query_order, dtype=np.int64)
         if order.shape != (nq,) or (nq and not np.array_equal(np.sort(order), np.arange(nq))):
             raise ValueError("plan.query_order must be a permutation of the query tokens")
+        if self.capacity is None:
+            self._prepare_exact(plan, levels, order)
+        else:
+            self._prepare_fixed(plan, levels, order)
+        self._max_page = max((level.max_page for level in levels), default=-1)
 
-        self._levels = levels
-        self._query_order = torch.from_numpy(order).to(self.device)
-        rows_per_token = np.sum([s.splits for s in levels], axis=0, dtype=np.int64)
+    def _tile_for(self, level, tiles: tuple[TileConfig, ...] | None) -> TileConfig:
+        group = self.num_qo_heads // self.num_kv_heads
+        rows = level.max_rows_per_group * group
+        if tiles is None:
+            return tile_config(rows, group, self.head_dim)
+        narrow, wide = tiles
+        return narrow if rows <= narrow.block_m else wide
+
+    def _schedule(self, plan, levels, tiles, kv_chunk_size, max_splits=MAX_SPLITS):
+        """Work items of every level, by tile: ({tile: [work arrays]}, splits [levels, nq])."""
+        group = self.num_qo_heads // self.num_kv_heads
+        sms = num_sms(self.device)
+        by_tile: dict[TileConfig, list[np.ndarray]] = {}
+        splits = np.zeros((len(levels), plan.num_query_tokens), dtype=np.int64)
+        kv_base = 0
+        for i, (level, source) in enumerate(zip(levels, plan.levels, strict=True)):
+            tile = self._tile_for(level, tiles)
+            work, splits[i] = level_work(
+                level, causal=source.causal, group_size=group, num_kv_heads=self.num_kv_heads, tile=tile,
+                sms=sms, kv_chunk_size=kv_chunk_size, max_splits=max_splits,
+            )  # fmt: skip
+            work[:, PAGE0] += kv_base
+            work[:, OROW] = i * plan.num_query_tokens if self.capacity is None else i * self._tokens_cap
+            kv_base += level.kv_indices.shape[0]
+            by_tile.setdefault(tile, []).append(work)
+        return by_tile, splits
+
+    def _prepare_exact(self, plan: CascadePlan, levels, order: np.ndarray) -> None:
+        nq = plan.num_query_tokens
+        by_tile, splits = self._schedule(plan, levels, None, self.kv_chunk_size)
+        tiles = list(by_tile)
+        works = [longest_first(np.concatenate(by_tile[t])) for t in tiles]
+        rows_per_token = splits.sum(axis=0)
+        pages = sum(level.kv_indices.shape[0] for level in levels)
+        sec = _Sections([w.shape[0] for w in works], pages, len(levels), nq)
+        host = self._upload.image(sec.size)
         self._direct = len(levels) == 1 and bool((rows_per_token == 1).all())
+        self._fill(host, sec, works, levels, splits, order, nq)
         if self._direct:
             # The only partial state is the final one: write it to the output's engine-order rows.
-            self._o_rows = [self._query_order]
-            self._part_o = None
-            self._part_lse = torch.empty((nq, num_qo_heads), dtype=torch.float32, device=self.device)
-            return
-        starts = np.cumsum(rows_per_token) - rows_per_token
-        row, self._o_rows = starts.copy(), []
-        for sched in levels:
-            self._o_rows.append(torch.from_numpy(row.copy()).to(self.device))
-            row += sched.splits
-        num_rows = int(rows_per_token.sum())
-        self._starts = torch.from_numpy(starts).to(self.device)
-        self._counts = torch.from_numpy(rows_per_token.astype(np.int32)).to(self.device)
-        self._part_o = torch.empty(
-            (num_rows, num_qo_heads, head_dim), dtype=torch.float32, device=self.device
+            host[sec.o_rows : sec.o_rows + nq] = order
+        self._ints = torch.empty(sec.size, dtype=torch.int32, device=self.device)
+        self._upload.copy(self._ints, sec.size)
+        self._bind(sec, tiles, exact=True)
+        num_rows = nq if self._direct else int(rows_per_token.sum())
+        self._part_o = (
+            None if self._direct else self._float_buffer((num_rows, self.num_qo_heads, self.head_dim))
         )
-        self._part_lse = torch.empty((num_rows, num_qo_heads), dtype=torch.float32, device=self.device)
+        self._part_lse = self._float_buffer((num_rows, self.num_qo_heads))
 
-    def _run(self, plan: CascadePlan, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+    def _float_buffer(self, shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.empty(shape, dtype=torch.float32, device=self.device)
+
+    @property
+    def _tokens_cap(self) -> int:
+        assert self.capacity is not None
+        return self.capacity.max_query_tokens
+
+    def _prepare_fixed(self, plan: CascadePlan, levels, order: np.ndarray) -> None:
+        cap = self.capacity
+        assert cap is not None
+        nq = plan.num_query_tokens
+        group = self.num_qo_heads // self.num_kv_heads
+        shape = (self.num_qo_heads, self.num_kv_heads, self.head_dim, plan.page_size, self.sm_scale)
+        if self._fixed_shape is not None and shape != self._fixed_shape:
+            raise ValueError(
+                f"a fixed-capacity backend keeps its heads, head_dim, page_size and sm_scale "
+                f"{self._fixed_shape}; got {shape}: make a new backend"
+            )
+        pages = sum(level.kv_indices.shape[0] for level in levels)
+        for what, need, have in (
+            ("query tokens", nq, cap.max_query_tokens),
+            ("levels", len(levels), cap.max_levels),
+            ("pages", pages, cap.max_pages),
+        ):
+            if need > have:
+                raise ValueError(f"the plan has {need} {what}, over the backend's capacity of {have}")
+        tiles = fixed_tile_configs(group, self.head_dim)
+        # Splits that do not fit the fixed buffers are cut down, not dropped: fewer, longer splits.
+        for max_splits in (MAX_SPLITS, 16, 8, 4, 2, 1):
+            by_tile, splits = self._schedule(plan, levels, tiles, self.kv_chunk_size, max_splits)
+            items = [sum(w.shape[0] for w in by_tile.get(t, [])) for t in tiles]
+            rows = int(splits.sum())
+            if max(items) <= cap.work_items and rows <= cap.partial_rows:
+                break
+        else:
+            raise ValueError(
+                f"the plan needs {max(items)} work items and {rows} partial rows, over the backend's "
+                f"capacity of {cap.work_items} and {cap.partial_rows}"
+            )
+        works = [
+            longest_first(np.concatenate(by_tile[t])) if t in by_tile else np.zeros((0, WORK_COLS), np.int64)
+            for t in tiles
+        ]
+        sec = _Sections([cap.work_items] * len(tiles), cap.max_pages, cap.max_levels, cap.max_query_tokens)
+        if self._fixed_shape is None:
+            self._ints = torch.zeros(sec.size, dtype=torch.int32, device=self.device)
+            self._bind(sec, list(tiles), exact=False)
+            self._part_o = self._float_buffer((cap.partial_rows, self.num_qo_heads, self.head_dim))
+            self._part_lse = self._float_buffer((cap.partial_rows, self.num_qo_heads))
+            self._fixed_shape = shape
+        assert self._ints is not None
+        host = self._upload.image(sec.size)
+        host[: sec.kv_indices] = 0
+        host[sec.q_rows : sec.q_rows + sec.tokens] = -1  # padding tokens: the merge writes nothing
+        self._direct = False
+        self._fill(host, sec, works, levels, splits, order, cap.max_query_tokens)
+        # Stale page ids past this plan's are never read: the copy stops at the last one used.
+        self._upload.copy(self._ints, sec.kv_indices + pages)
+
+    def _fill(self, host, sec: _Sections, works, levels, splits, order, token_stride: int) -> None:
+        """Write a plan's int sections into ``host`` (work lists, counts, pages, row tables)."""
+        nq = order.shape[0]
+        for offset, work in zip(sec.work, works, strict=True):
+            host[offset : offset + work.size] = work.reshape(-1)
+        host[sec.num_work : sec.num_work + len(works)] = [w.shape[0] for w in works]
+        at = sec.kv_indices
+        for level in levels:
+            host[at : at + level.kv_indices.shape[0]] = level.kv_indices
+            at += level.kv_indices.shape[0]
+        rows_per_token = splits.sum(axis=0)
+        starts = np.cumsum(rows_per_token) - rows_per_token
+        before = np.cumsum(splits, axis=0) - splits  # rows of the levels before, per token
+        for i in range(len(levels)):
+            at = sec.o_rows + i * token_stride
+            host[at : at + nq] = starts + before[i]
+        host[sec.q_rows : sec.q_rows + nq] = order
+        host[sec.starts : sec.starts + nq] = starts
+        host[sec.counts : sec.counts + nq] = rows_per_token
+
+    def _bind(self, sec: _Sections, tiles: list[TileConfig], *, exact: bool) -> None:
+        """Views of the int buffer, and the launches with their grids."""
+        ints = self._ints
+        assert ints is not None
+        self._sections = sec
+        self._kv_indices = ints[sec.kv_indices : sec.kv_indices + sec.pages]
+        self._o_rows = ints[sec.o_rows : sec.o_rows + sec.levels * sec.tokens]
+        self._q_rows = ints[sec.q_rows : sec.q_rows + sec.tokens]
+        self._starts = ints[sec.starts : sec.starts + sec.tokens]
+        self._counts = ints[sec.counts : sec.counts + sec.tokens]
+        sms = num_sms(self.device)
+        self._launches = []
+        for i, (tile, items) in enumerate(zip(tiles, sec.work_items, strict=True)):
+            pairs = items * self.num_kv_heads
+            # Exact plans: one program per (item, KV head). Fixed plans: a persistent grid sized to
+            # the device, looping over whatever number of items the current plan wrote.
+            programs = pairs if exact else min(pairs, sms * tile.resident_per_sm() * 4)
+            if programs == 0:
+                continue
+            work = ints[sec.work[i] : sec.work[i] + items * WORK_COLS].view(items, WORK_COLS)
+            self._launches.append(
+                _Launch(tile, work, ints[sec.num_work + i : sec.num_work + i + 1], programs)
+            )
+
+    # ------------------------------------------------------------------------------------------
+    # run
+
+    def _run(self, plan, q, kv_cache, k, v, out) -> None:
         if q.device != self.device:
             raise ValueError(f"q and kv_cache must be on {self.device} (the plan's device), got {q.device}")
-        nq = plan.num_query_tokens
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        if nq == 0:
-            return out
-        part_o = out if self._direct else self._part_o
-        for sched, o_rows in zip(self._levels, self._o_rows, strict=True):
-            launch_level(
-                sched, q, kv_cache, sm_scale=self.sm_scale, q_rows=self._query_order,
-                o_rows=o_rows, out=part_o, lse=self._part_lse,
-            )  # fmt: skip
-        if not self._direct:
-            merge_states_varlen(
-                self._part_o, self._part_lse, self._starts, self._counts, out, out_rows=self._query_order
+        if self._max_page >= k.shape[0]:
+            raise ValueError(
+                f"the plan references page {self._max_page}, the KV cache has {k.shape[0]} pages"
             )
-        return out
+        if plan.num_query_tokens == 0 and self.capacity is None:
+            return
+        if self.device.type == "cpu":
+            check_runnable(q, k, v, out)  # the interpreter only
+        self.launch_levels(q, k, v, out)
+        if not self._direct:
+            self.merge(out)
+
+    def launch_levels(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
+        """The attention launches of the plan (arguments checked by ``run``)."""
+        group = self.num_qo_heads // self.num_kv_heads
+        part_o = out if self._direct else self._part_o
+        qk_scale = self.sm_scale * LOG2E
+        for launch in self._launches:
+            launch_attention(
+                q, self._q_rows, k, v, self._kv_indices, launch.work, launch.num_work, self._o_rows,
+                part_o, self._part_lse, qk_scale=qk_scale, num_programs=launch.num_programs,
+                group_size=group, tile=launch.tile,
+            )  # fmt: skip
+
+    def merge(self, out: torch.Tensor) -> None:
+        """Merge the partial states into ``out``'s engine-order rows."""
+        launch_merge(self._part_o, self._part_lse, self._starts, self._counts, out, self._q_rows)

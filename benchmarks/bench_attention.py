@@ -1,0 +1,622 @@
+"""Attention over shared prefixes, every arm on the same inputs in one process (CUDA).
+
+Per case (a batch: requests over a sharing tree of prefixes, shuffled physical pages, bf16), the arms:
+
+- ``ours``: ``CascadePlanner().plan`` + ``create_backend("auto")``, exactly as an engine calls them
+  (plan given the dtype); ``graph``: the fixed-capacity Triton backend captured once in a CUDA graph;
+- ``ours cascade`` / ``ours one level``: the Triton backend on the cascade the sharing thresholds keep
+  (no cost model) / on one level (``max_levels=1``): the two choices the planner's cost model picks
+  between;
+- ``triton``: the pure-Triton backend on the default plan (no FlashInfer anywhere);
+- FlashInfer: decode wrapper with and without tensor cores, paged prefill wrapper (one level, every
+  request over its whole table) and our flashinfer backend on the cascade (its multi-level cascade
+  wrapper); graphs capture ``run`` with the plan fixed;
+- peers (``--peers DIR`` holding ``peer_kernels.py``; decode batches only): FastTree,
+  RelayAttention++ and DeFT through ``peer_arms``, eager and graphed. Their code stays outside.
+
+Every arm is first checked against an fp32 reference computed request by request from the page
+tables (relative max error printed; an arm over 2e-2 is reported and left out of the comparisons).
+Times are medians of ``triton.testing.do_bench`` (L2 flushed before each run); host µs is the time
+``run`` takes on the host when the GPU is not the bottleneck. The bound is max(distinct KV bytes /
+measured copy bandwidth, attention FLOPs / measured bf16 matrix rate).
+
+Usage: ``python benchmarks/bench_attention.py [--peers DIR] [--out DIR] [--cases SUBSTRING]``;
+``--smoke`` runs two tiny cases on the CPU (Triton's interpreter) to check the script itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import importlib.util
+import json
+import math
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from prefix_cache import CascadePlanner
+from prefix_cache.attention import create_backend
+from prefix_cache.attention.triton_backend import GraphCapacity
+
+MAX_REL_ERR = 2e-2
+
+
+@dataclass(frozen=True)
+class Case:
+    """Requests over a sharing tree: ``shared`` levels of (children per parent, tokens per node),
+    then ``per_leaf`` requests under each deepest node, each with ``own`` tokens of its own of which
+    the last ``qo`` are this step's queries (lists cycle over the requests)."""
+
+    name: str
+    shared: tuple[tuple[int, int], ...]
+    per_leaf: int
+    own: tuple[int, ...]
+    qo: tuple[int, ...]
+    hq: int = 32
+    hkv: int = 8
+    d: int = 128
+    page_size: int = 16
+    extra: tuple[tuple[int, int], ...] = field(default=())  # (count, own == qo) prefill requests
+
+
+CASES = (
+    Case("1 prefix 32768 x 128 req, 256 own, decode", ((1, 32768),), 128, (256,), (1,)),
+    Case("1 prefix 4096 x 64 req, 512 own", ((1, 4096),), 64, (512,), (1,)),
+    Case("16 prefixes 2048 x 16 req", ((16, 2048),), 16, (256,), (1,)),
+    Case("system 2048, 8 groups of 1024, 16 samples each", ((1, 2048), (8, 1024)), 16, (256,), (1,)),
+    Case("1 prefix 512 x 32 req, 256 own", ((1, 512),), 32, (256,), (1,)),
+    Case("1 prefix 256 x 8 req, 256 own", ((1, 256),), 8, (256,), (1,)),
+    Case("SmolLM2 9/3 d64, prefix 4096 x 64", ((1, 4096),), 64, (256,), (1,), hq=9, hkv=3, d=64),
+    Case("8 req x 1024, nothing shared", (), 8, (1024,), (1,)),
+    Case("1 req x 256", (), 1, (256,), (1,)),
+    Case(
+        "64 decodes + 4 prefill chunks of 512 over a 4096 prefix",
+        ((1, 4096),),
+        68,
+        (256,) * 64 + (512,) * 4,
+        (1,) * 64 + (512,) * 4,
+    ),
+    Case("4 req, 512 new over 8192 cached (chat turn)", (), 4, (8704,), (512,)),
+    Case("1 req, 8192-token causal prefill", (), 1, (8192,), (8192,)),
+    Case("MHA 32/32, prefix 2048 x 32", ((1, 2048),), 32, (256,), (1,), hq=32, hkv=32),
+    Case("MQA 32/1, prefix 4096 x 64", ((1, 4096),), 64, (256,), (1,), hq=32, hkv=1),
+    Case("d256 16/8, prefix 2048 x 32", ((1, 2048),), 32, (256,), (1,), hq=16, hkv=8, d=256),
+    Case("page 1, prefix 1024 x 16, 64 own", ((1, 1024),), 16, (64,), (1,), page_size=1),
+    Case("page 64, prefix 4096 x 32", ((1, 4096),), 32, (256,), (1,), page_size=64),
+    Case("4 levels: 1024 / 4 x 512 / 4 x 256, 4 samples", ((1, 1024), (4, 512), (4, 256)), 4, (128,), (1,)),
+    Case("512 req, prefix 1024, decode", ((1, 1024),), 512, (128,), (1,)),
+)
+SMOKE_CASES = (
+    Case("smoke: 1 prefix 64 x 4 req", ((1, 64),), 4, (8,), (1,), hq=4, hkv=2, d=16, page_size=4),
+    Case("smoke: 2 req prefill 6 over 20", (), 2, (20,), (6,), hq=4, hkv=2, d=16, page_size=4),
+)
+
+
+# ------------------------------------------------------------------------------------------------
+# Batches and the reference
+
+
+def build_batch(case: Case, seed: int = 0):
+    """(block_tables, kv_lens, qo_lens, num_pages): page ids shuffled over the whole pool."""
+    ps = case.page_size
+    nodes = [(0, [])]  # (tokens so far, pages)
+    next_page = 0
+    for fanout, tokens in case.shared:
+        assert tokens % ps == 0, "shared prefixes are whole pages"
+        grown = []
+        for depth, pages in nodes:
+            for _ in range(fanout):
+                grown.append((depth + tokens, pages + list(range(next_page, next_page + tokens // ps))))
+                next_page += tokens // ps
+        nodes = grown
+    tables, kv_lens, qo_lens = [], [], []
+    r = 0
+    for depth, pages in nodes:
+        for _ in range(case.per_leaf):
+            own, qo = case.own[r % len(case.own)], case.qo[r % len(case.qo)]
+            n = -(-own // ps)
+            tables.append(pages + list(range(next_page, next_page + n)))
+            next_page += n
+            kv_lens.append(depth + own)
+            qo_lens.append(qo)
+            r += 1
+    perm = np.random.default_rng(seed).permutation(next_page).astype(np.int32)
+    return [perm[t] for t in tables], np.array(kv_lens), np.array(qo_lens), next_page
+
+
+def reference(q, kv_cache, tables, kv_lens, qo_lens, sm_scale) -> torch.Tensor:
+    """fp32 attention request by request from the page tables (queries in chunks)."""
+    ps, hkv = kv_cache.shape[2], kv_cache.shape[3]
+    group = q.shape[1] // hkv
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    row = 0
+    for table, kv_len, qo_len in zip(tables, kv_lens.tolist(), qo_lens.tolist(), strict=True):
+        pages = torch.as_tensor(table[: -(-kv_len // ps)], dtype=torch.long, device=q.device)
+        kv = kv_cache[pages].float()
+        k = kv[:, 0].flatten(0, 1)[:kv_len].repeat_interleave(group, 1)
+        v = kv[:, 1].flatten(0, 1)[:kv_len].repeat_interleave(group, 1)
+        for c0 in range(0, qo_len, 1024):
+            c1 = min(qo_len, c0 + 1024)
+            s = torch.einsum("qhd,khd->hqk", q[row + c0 : row + c1].float(), k) * sm_scale
+            pos = torch.arange(kv_len, device=q.device)
+            limit = kv_len - qo_len + torch.arange(c0, c1, device=q.device)
+            s = s.masked_fill(pos[None, None, :] > limit[None, :, None], float("-inf"))
+            out[row + c0 : row + c1] = torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v)
+        row += qo_len
+    return out
+
+
+def work_of(case: Case, tables, kv_lens, qo_lens, dtype) -> tuple[float, float]:
+    """(distinct KV bytes + q and out bytes, attention FLOPs with the causal mask)."""
+    distinct = len(
+        {int(p) for t, n in zip(tables, kv_lens.tolist(), strict=True) for p in t[: -(-n // case.page_size)]}
+    )
+    elem = torch.finfo(dtype).bits // 8
+    kv_bytes = distinct * case.page_size * 2 * case.hkv * case.d * elem
+    q_bytes = 2 * int(qo_lens.sum()) * case.hq * case.d * elem
+    pairs = sum(q * kv - q * (q - 1) / 2 for q, kv in zip(qo_lens.tolist(), kv_lens.tolist(), strict=True))
+    return kv_bytes + q_bytes, 4.0 * pairs * case.hq * case.d
+
+
+# ------------------------------------------------------------------------------------------------
+# Timing
+
+
+def graphed(fn: Callable[[], object]) -> Callable[[], None]:
+    """Capture one call of ``fn`` in a CUDA graph (after a warm call on a side stream)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def time_ms(fn: Callable[[], object], cuda: bool) -> float:
+    if not cuda:
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
+
+
+def host_us(fn: Callable[[], object], cuda: bool, calls: int = 30) -> float:
+    """Host time per call while the GPU keeps up: the calls are queued without a sync."""
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - t0
+    if cuda:
+        torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+def measure_ceilings() -> tuple[float, float]:
+    """(copy bytes/s counting read + write, bf16 matmul FLOP/s) on this GPU, random data."""
+    import triton.testing
+
+    a = torch.empty(2**30, dtype=torch.uint8, device="cuda").random_()
+    b = torch.empty_like(a)
+    copy_ms = triton.testing.do_bench(lambda: b.copy_(a), warmup=10, rep=100, return_mode="median")
+    x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    y = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    mm_ms = triton.testing.do_bench(lambda: x @ y, warmup=10, rep=100, return_mode="median")
+    return 2 * a.numel() / (copy_ms * 1e-3), 2 * 8192**3 / (mm_ms * 1e-3)
+
+
+# ------------------------------------------------------------------------------------------------
+# Arms
+
+
+@dataclass
+class Arm:
+    name: str
+    run: Callable[[], torch.Tensor]  # returns the output, engine order [T, Hq, D]
+    graph: bool = True  # whether a CUDA graph of ``run`` is meaningful
+    host: bool = False  # whether to report host µs
+    note: str = ""
+
+
+def our_arms(case, tables, kv_lens, qo_lens, q, kv_cache, cuda, dtype) -> list[Arm]:
+    device = q.device
+    heads = dict(num_qo_heads=case.hq, num_kv_heads=case.hkv, head_dim=case.d, q_dtype=dtype)
+    arms = []
+    plan = CascadePlanner().plan(tables, kv_lens, qo_lens, case.page_size)
+    auto = create_backend("auto", device=device)
+    auto.plan(plan, **heads)
+    out_auto = torch.empty_like(q)
+    arms.append(Arm("ours", lambda: auto.run(q, kv_cache, out=out_auto), graph=False, host=True,
+                    note=f"{len(plan.levels)} levels, route {auto.route}"))  # fmt: skip
+
+    def fixed_backend(p):
+        pages = sum(level.kv_indices.shape[0] for level in p.levels)
+        capacity = GraphCapacity(max_query_tokens=p.num_query_tokens, max_pages=max(pages, 1))
+        backend = create_backend("triton", device=device, capacity=capacity)
+        backend.plan(p, **heads)
+        return backend
+
+    if cuda:
+        fixed = fixed_backend(plan)
+        out_fixed = torch.empty_like(q)
+        arms.append(Arm("ours graph", lambda: fixed.run(q, kv_cache, out=out_fixed), note="fixed capacity"))
+    thresholds_only = CascadePlanner(**({"cost_model": None} if _has_cost_model() else {}))
+    for name, p in (
+        ("ours cascade", thresholds_only.plan(tables, kv_lens, qo_lens, case.page_size)),
+        ("ours one level", CascadePlanner(max_levels=1).plan(tables, kv_lens, qo_lens, case.page_size)),
+        ("triton", plan),
+    ):
+        backend = create_backend("triton", device=device)
+        backend.plan(p, **heads)
+        buf = torch.empty_like(q)
+        arms.append(Arm(name, lambda b=backend, o=buf: b.run(q, kv_cache, out=o), host=name == "triton",
+                        note=f"{len(p.levels)} levels"))  # fmt: skip
+    return arms
+
+
+def _has_cost_model() -> bool:
+    return "cost_model" in getattr(CascadePlanner, "__dataclass_fields__", {})
+
+
+def flashinfer_arms(case, tables, kv_lens, qo_lens, q, kv_cache, dtype) -> list[Arm]:
+    try:
+        import flashinfer
+    except ImportError:
+        return []
+    device = q.device
+    arms = []
+    ps = case.page_size
+    used = [np.asarray(t[: -(-int(n) // ps)]) for t, n in zip(tables, kv_lens, strict=True)]
+    indptr = torch.tensor(np.concatenate([[0], np.cumsum([len(u) for u in used])]), dtype=torch.int32)
+    indices = torch.from_numpy(np.concatenate(used).astype(np.int32))
+    last = torch.tensor(
+        [int(n) - (len(u) - 1) * ps for u, n in zip(used, kv_lens, strict=True)], dtype=torch.int32
+    )
+    qo_indptr = torch.tensor(np.concatenate([[0], np.cumsum(qo_lens)]), dtype=torch.int32)
+    heads = (case.hq, case.hkv, case.d, ps)
+
+    def workspace():
+        return torch.zeros(256 * 1024 * 1024, dtype=torch.uint8, device=device)
+
+    if bool((qo_lens == 1).all()):
+        for tc in (False, True):
+            w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace(), "NHD", use_tensor_cores=tc)
+            w.plan(indptr.to(device), indices.to(device), last.to(device), *heads, sm_scale=case.d**-0.5,
+                   q_data_type=dtype, kv_data_type=dtype)  # fmt: skip
+            arms.append(Arm(f"flashinfer decode{' tc' if tc else ''}", lambda w=w: w.run(q, kv_cache)))
+    w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace(), "NHD")
+    w.plan(qo_indptr, indptr, indices, last, *heads, causal=True, sm_scale=case.d**-0.5, q_data_type=dtype,
+           kv_data_type=dtype)  # fmt: skip
+    arms.append(Arm("flashinfer prefill", lambda w=w: w.run(q, kv_cache)))
+    plan = CascadePlanner().plan(tables, kv_lens, qo_lens, ps)
+    if len(plan.levels) > 1:
+        fi = create_backend("flashinfer", device=device)
+        fi.plan(plan, num_qo_heads=case.hq, num_kv_heads=case.hkv, head_dim=case.d, q_dtype=dtype)
+        buf = torch.empty_like(q)
+        arms.append(Arm("flashinfer cascade", lambda: fi.run(q, kv_cache, out=buf)))
+    return arms
+
+
+def peer_arms(peers, case, tables, kv_lens, qo_lens, q, kv_cache) -> tuple[list[Arm], dict]:
+    skipped: dict = {}
+    if peers is None or not bool((qo_lens == 1).all()):
+        return [], skipped
+    peers.reset_peer_state()
+    prepared = peers.peer_arms(tables, kv_lens, kv_cache, q, case.page_size, case.hq, case.hkv, case.d,
+                               skipped=skipped)  # fmt: skip
+    arms = []
+    for name, arm in prepared.items():
+
+        def run(arm=arm):
+            arm()
+            return arm._post()
+
+        arms.append(Arm(name, run, note="; ".join(arm.notes)[:200]))
+    return arms, skipped
+
+
+def load_peers(path: str | None):
+    if path is None:
+        return None
+    file = Path(path) / "peer_kernels.py"
+    if not file.exists():
+        print(f"peers: {file} not found, peer arms skipped")
+        return None
+    os.environ.setdefault("PEERK_DIR", str(Path(path).resolve()))
+    spec = importlib.util.spec_from_file_location("peer_kernels", file)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["peer_kernels"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+# ------------------------------------------------------------------------------------------------
+# One case
+
+
+def bench_case(case: Case, peers, cuda: bool, dtype, ceilings, flashinfer_head_dims=(64, 128)) -> dict:
+    device = "cuda" if cuda else "cpu"
+    tables, kv_lens, qo_lens, num_pages = build_batch(case)
+    gen = torch.Generator(device=device).manual_seed(1)
+    kv_cache = torch.randn(num_pages, 2, case.page_size, case.hkv, case.d, generator=gen, device=device).to(
+        dtype
+    )
+    q = torch.randn(int(qo_lens.sum()), case.hq, case.d, generator=gen, device=device).to(dtype)
+    ref = reference(q, kv_cache, tables, kv_lens, qo_lens, case.d**-0.5)
+    ref_scale = float(ref.abs().max())
+
+    arms = our_arms(case, tables, kv_lens, qo_lens, q, kv_cache, cuda, dtype)
+    skipped = {}
+    if cuda and case.d not in flashinfer_head_dims:
+        skipped["flashinfer"] = (
+            f"head_dim {case.d} not in --flashinfer-head-dims (its JIT build takes minutes)"
+        )
+    elif cuda:
+        try:
+            arms += flashinfer_arms(case, tables, kv_lens, qo_lens, q, kv_cache, dtype)
+        except Exception as error:  # an arm that cannot run is reported, not fatal
+            skipped["flashinfer"] = f"{type(error).__name__}: {error}"[:300]
+    if cuda:
+        try:
+            peer, peer_skipped = peer_arms(peers, case, tables, kv_lens, qo_lens, q, kv_cache)
+            arms += peer
+            skipped.update(peer_skipped)
+        except Exception as error:
+            skipped["peers"] = f"{type(error).__name__}: {error}"[:300]
+
+    results = {}
+    for arm in arms:
+        entry: dict = {"note": arm.note}
+        try:
+            out = arm.run()
+            err = float((out.float() - ref).abs().max()) / ref_scale
+            entry["rel_err"] = err
+            if not math.isfinite(err) or err > MAX_REL_ERR:
+                entry["error"] = f"wrong output: relative error {err:.3g}"
+            else:
+                entry["ms"] = time_ms(arm.run, cuda)
+                if arm.host:
+                    entry["host_us"] = host_us(arm.run, cuda)
+                if cuda and arm.graph:
+                    entry["graph_ms"] = time_ms(graphed(arm.run), cuda)
+        except Exception as error:
+            entry["error"] = f"{type(error).__name__}: {error}"[:300]
+        results[arm.name] = entry
+    return summarise(case, results, skipped, tables, kv_lens, qo_lens, dtype, ceilings)
+
+
+def summarise(case, results, skipped, tables, kv_lens, qo_lens, dtype, ceilings) -> dict:
+    bytes_, flops = work_of(case, tables, kv_lens, qo_lens, dtype)
+    bandwidth, matmul = ceilings
+    bound_ms = max(bytes_ / bandwidth, flops / matmul) * 1e3 if bandwidth else None
+    row = {
+        "case": case.name,
+        "shape": f"{case.hq}/{case.hkv} d{case.d} page {case.page_size}",
+        "requests": len(tables),
+        "query_tokens": int(qo_lens.sum()),
+        "bytes": bytes_,
+        "flops": flops,
+        "bound_ms": bound_ms,
+        "arms": results,
+        "skipped": skipped,
+    }
+    return derive(row)
+
+
+def derive(row: dict) -> dict:
+    """The comparison columns of a case, from its arms' measurements (also for stored results)."""
+    results = row["arms"]
+
+    def ms(name, key="ms"):
+        return results.get(name, {}).get(key)
+
+    ours_names = {"ours", "ours graph", "ours cascade", "ours one level", "triton"}
+    fi = [r for n, r in results.items() if n.startswith("flashinfer")]
+    others = [r for n, r in results.items() if n not in ours_names]
+
+    def best(rows, key):
+        values = [r[key] for r in rows if r.get(key) is not None]
+        return min(values) if values else None
+
+    ours, ours_graph = ms("ours"), ms("ours graph", "graph_ms")
+    cascade, one = ms("ours cascade", "graph_ms"), ms("ours one level", "graph_ms")
+    # The plan the default planner chose, against the better of its two candidates (GPU time).
+    chosen = ms("triton", "graph_ms")
+    row.update(
+        ours_ms=ours,
+        ours_graph_ms=ours_graph,
+        cascade_ms=ms("ours cascade"),
+        cascade_graph_ms=cascade,
+        one_level_ms=ms("ours one level"),
+        one_level_graph_ms=one,
+        triton_ms=ms("triton"),
+        triton_graph_ms=chosen,
+        best_flashinfer_ms=best(fi, "ms"),
+        best_flashinfer_graph_ms=best(fi, "graph_ms"),
+        best_peer_ms=best(others, "ms"),
+        best_peer_graph_ms=best(others, "graph_ms"),
+        host_us=results.get("ours", {}).get("host_us"),
+        triton_host_us=results.get("triton", {}).get("host_us"),
+        planner_vs_best_choice=chosen / min(cascade, one) if chosen and cascade and one else None,
+        tb_per_s=row["bytes"] / (ours * 1e-3) / 1e12 if ours else None,
+        tflop_per_s=row["flops"] / (ours * 1e-3) / 1e12 if ours else None,
+    )
+    return row
+
+
+# ------------------------------------------------------------------------------------------------
+# Output
+
+
+def _f(x, fmt="{:.3f}"):
+    return "-" if x is None else fmt.format(x)
+
+
+def markdown(rows: list[dict]) -> str:
+    head = (
+        "| case | shape | ours eager | ours graph | cascade (graph) | one level (graph) | triton eager | "
+        "best FlashInfer eager / graph | best other eager / graph | bound | "
+        "ours / best other (eager, graph) | ours / bound (graph) | host µs (auto, triton) |\n|" + "---|" * 13
+    )
+    lines = [head]
+    for r in rows:
+        ratio_e = r["ours_ms"] / r["best_peer_ms"] if r["ours_ms"] and r["best_peer_ms"] else None
+        ratio_g = (
+            r["ours_graph_ms"] / r["best_peer_graph_ms"]
+            if r["ours_graph_ms"] and r["best_peer_graph_ms"]
+            else None
+        )
+        to_bound = r["ours_graph_ms"] / r["bound_ms"] if r["ours_graph_ms"] and r["bound_ms"] else None
+        lines.append(
+            f"| {r['case']} | {r['shape']} | {_f(r['ours_ms'])} | {_f(r['ours_graph_ms'])} | "
+            f"{_f(r['cascade_graph_ms'])} | {_f(r['one_level_graph_ms'])} | {_f(r['triton_ms'])} | "
+            f"{_f(r['best_flashinfer_ms'])} / {_f(r['best_flashinfer_graph_ms'])} | "
+            f"{_f(r['best_peer_ms'])} / {_f(r['best_peer_graph_ms'])} | {_f(r['bound_ms'])} | "
+            f"{_f(ratio_e, '{:.2f}')}, {_f(ratio_g, '{:.2f}')} | "
+            f"{_f(to_bound, '{:.2f}')} | "
+            f"{_f(r['host_us'], '{:.0f}')}, {_f(r['triton_host_us'], '{:.0f}')} |"
+        )
+    return "\n".join(lines)
+
+
+def arms_markdown(rows: list[dict]) -> str:
+    lines = [
+        "| case | arm | eager ms | graph ms | host µs | rel. error | note |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        for name, a in r["arms"].items():
+            lines.append(
+                f"| {r['case']} | {name} | {_f(a.get('ms'), '{:.4f}')} | {_f(a.get('graph_ms'), '{:.4f}')} | "
+                f"{_f(a.get('host_us'), '{:.0f}')} | {_f(a.get('rel_err'), '{:.1e}')} | "
+                f"{a.get('error', a.get('note', ''))} |"
+            )
+        for name, why in r["skipped"].items():
+            lines.append(f"| {r['case']} | {name} | - | - | - | - | skipped: {why} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["case"] for r in rows]
+    eager = [r["best_peer_ms"] / r["ours_ms"] if r["ours_ms"] and r["best_peer_ms"] else 0 for r in rows]
+    graph = [
+        r["best_peer_graph_ms"] / r["ours_graph_ms"] if r["ours_graph_ms"] and r["best_peer_graph_ms"] else 0
+        for r in rows
+    ]
+    y = np.arange(len(rows))
+    fig, ax = plt.subplots(figsize=(10, 0.45 * len(rows) + 1.5))
+    ax.barh(y - 0.2, eager, 0.4, label="eager")
+    ax.barh(y + 0.2, graph, 0.4, label="CUDA graph")
+    ax.axvline(1.0, color="k", lw=0.8)
+    ax.set_yticks(y, names, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("speed-up of ours over the fastest other arm (FlashInfer, peers)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def write_results(rows: list[dict], meta: dict, out: Path, stem: str) -> None:
+    """JSON rows, the markdown tables and the plot under ``out`` (rewritten after every case)."""
+    out.mkdir(parents=True, exist_ok=True)
+    for row in rows:
+        row.update(gpu=meta["gpu"], date=meta["date"])
+    (out / f"{stem}.json").write_text(json.dumps(rows, indent=1))
+    (out / f"{stem}.md").write_text(f"{json.dumps(meta)}\n\n{markdown(rows)}\n\n{arms_markdown(rows)}\n")
+    with contextlib.suppress(ImportError):
+        plot(rows, out / f"{stem}.png")
+
+
+def rebuild(stored: Path, out: Path) -> None:
+    """Recompute the comparison columns of a stored run from its arms (same cases, same batches)."""
+    cases = {c.name: c for c in CASES}
+    lines = (stored / "attention_h200.md").read_text().splitlines()
+    meta = json.loads(next(line for line in lines if line.startswith("{")))
+    rows = json.loads((stored / "attention_h200.json").read_text())
+    for row in rows:
+        case = cases[row["case"]]
+        tables, kv_lens, qo_lens, _ = build_batch(case)
+        row["bytes"], row["flops"] = work_of(case, tables, kv_lens, qo_lens, torch.bfloat16)
+        derive(row)
+    write_results(rows, meta, out, "attention_h200")
+    print(markdown(rows))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--peers", help="folder holding peer_kernels.py (peer arms skipped without it)")
+    parser.add_argument("--out", default="benchmarks/results", help="where the JSON, tables and plot go")
+    parser.add_argument("--cases", default="", help="only cases whose name contains this")
+    parser.add_argument("--smoke", action="store_true", help="two tiny cases on the CPU (interpreter)")
+    parser.add_argument(
+        "--from-json", help="rebuild the tables and plot of a stored run (its folder) without a GPU"
+    )
+    parser.add_argument(
+        "--flashinfer-head-dims", default="64,128", help="head dims to run FlashInfer's arms for (JIT builds)"
+    )
+    args = parser.parse_args()
+    if args.from_json:
+        rebuild(Path(args.from_json), Path(args.out))
+        return
+    cuda = torch.cuda.is_available() and not args.smoke
+    if not cuda and not args.smoke:
+        raise SystemExit("bench_attention.py needs CUDA (or --smoke)")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    cases = [c for c in (CASES if cuda else SMOKE_CASES) if args.cases in c.name]
+    peers = load_peers(args.peers) if cuda else None
+    ceilings = measure_ceilings() if cuda else (0.0, 0.0)
+    import triton
+
+    versions = {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version()}
+    try:
+        import flashinfer
+
+        versions["flashinfer"] = flashinfer.__version__
+    except ImportError:
+        versions["flashinfer"] = None
+    meta = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "gpu": torch.cuda.get_device_name() if cuda else "cpu (interpreter)",
+        "versions": versions,
+        "command": "python " + " ".join(sys.argv),
+        "dtype": str(dtype),
+        "copy_tb_per_s": ceilings[0] / 1e12,
+        "matmul_tflop_per_s": ceilings[1] / 1e12,
+    }
+    print(json.dumps(meta))
+    rows = []
+    for case in cases:
+        t0 = time.perf_counter()
+        head_dims = tuple(int(x) for x in args.flashinfer_head_dims.split(","))
+        rows.append(bench_case(case, peers, cuda, dtype, ceilings, head_dims))
+        r = rows[-1]
+        seconds = time.perf_counter() - t0
+        others = f"{_f(r['best_peer_ms'])}/{_f(r['best_peer_graph_ms'])}"
+        print(f"{case.name}: ours {_f(r['ours_ms'])} graph {_f(r['ours_graph_ms'])} best other {others} "
+              f"({seconds:.1f} s)", flush=True)  # fmt: skip
+        write_results(rows, meta, Path(args.out), "attention_h200" if cuda else "attention_smoke")
+    print(markdown(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,221 @@
+"""Host-side scheduling of the attention kernel: tile shapes and work items (numpy only, no launches).
+
+A level is a list of groups; group g owns query tokens ``qo_indptr[g]:qo_indptr[g+1]`` and KV pages
+``kv_indices[kv_indptr[g]:kv_indptr[g+1]]`` (the last one holding ``kv_last_page_len[g]`` tokens).
+One work item is one program's job for one KV head: an M tile of (query tokens of one group) x (the
+query heads that share that KV head), over one split of the group's KV. ``level_work`` cuts a level
+into work items; the kernel (``attention.py``) runs any list of them, from any number of levels, in
+one launch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from prefix_cache.kernels._common import cdiv, interpreting, next_pow2
+
+# Columns of a work item (int32): query tokens [Q0, Q1) of the tile (planned order), the group's
+# first entry in kv_indices, KV token range [KV0, KV1) of this split, the split's index, the causal
+# diagonal (query token t may see KV positions <= t + DIAG) and the offset of the item's level in the
+# o_rows table (token t's partial state goes to row o_rows[OROW + t] + SPLIT).
+Q0, Q1, PAGE0, KV0, KV1, SPLIT, DIAG, OROW = range(8)
+WORK_COLS = 8
+
+#: DIAG of a non-causal item: every KV position is visible to every query.
+NO_MASK = 1 << 30
+
+# Split-KV: never give a split fewer KV tokens than this (below it, the partial rows and the merge
+# cost more than the parallelism gains), nor a group more splits than MAX_SPLITS.
+MIN_SPLIT_TOKENS = 256
+MAX_SPLITS = 64
+UNSPLIT = np.iinfo(np.int32).max // 2
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Compile-time shape of one launch: M rows per tile, KV tokens per tile, warps, pipeline stages."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    def resident_per_sm(self) -> int:
+        """Programs of this shape one SM holds at once (registers and shared memory of the sm_90
+        builds: 1 at 128 rows, 2 at 64, 4 below)."""
+        return 1 if self.block_m >= 128 else 2 if self.block_m >= 64 else 4
+
+
+def tile_config(max_rows: int, group_size: int, head_dim: int) -> TileConfig:
+    """The tile for a level whose largest group has ``max_rows`` query rows (tokens x group_size).
+    tl.dot needs every block dimension >= 16."""
+    block_d = max(16, next_pow2(head_dim))
+    floor_m = max(16, next_pow2(group_size))
+    if interpreting():
+        # The interpreter is slow per operation, not per element; small KV tiles still exercise
+        # multi-tile loops in tests at tiny sizes.
+        return TileConfig(max(floor_m, min(next_pow2(max_rows), 64)), 16, 1, 1)
+    cap_m = 128 if block_d <= 128 else 64
+    block_m = max(floor_m, min(next_pow2(max_rows), cap_m))
+    return TileConfig(
+        block_m=block_m,
+        block_n=64 if block_d <= 128 else 32,
+        num_warps=8 if block_m >= 128 else 4,
+        num_stages=3 if block_d <= 128 else 2,
+    )
+
+
+def fixed_tile_configs(group_size: int, head_dim: int) -> tuple[TileConfig, TileConfig]:
+    """(narrow, wide): the two tiles of a fixed-launch (CUDA-graph) schedule. Narrow fits one query
+    token of a group (decode); wide is the largest tile, for groups of many queries."""
+    return tile_config(1, group_size, head_dim), tile_config(1 << 20, group_size, head_dim)
+
+
+@dataclass(frozen=True)
+class LevelArrays:
+    """A level's index arrays, checked, as int64 numpy arrays; ``kv_len`` per group in tokens."""
+
+    qo_indptr: np.ndarray
+    kv_indptr: np.ndarray
+    kv_indices: np.ndarray
+    kv_len: np.ndarray
+    max_page: int
+
+    @property
+    def num_query_tokens(self) -> int:
+        return int(self.qo_indptr[-1])
+
+    @property
+    def max_rows_per_group(self) -> int:
+        return int(np.diff(self.qo_indptr).max(initial=0))
+
+
+def _as_int_array(name: str, a: np.ndarray | torch.Tensor) -> np.ndarray:
+    arr = a.detach().cpu().numpy() if isinstance(a, torch.Tensor) else np.asarray(a)
+    if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+        raise ValueError(f"{name} must be a 1-D integer array, got shape {arr.shape} dtype {arr.dtype}")
+    return arr.astype(np.int64)
+
+
+def check_level(
+    qo_indptr: np.ndarray | torch.Tensor,
+    kv_indptr: np.ndarray | torch.Tensor,
+    kv_indices: np.ndarray | torch.Tensor,
+    kv_last_page_len: np.ndarray | torch.Tensor,
+    page_size: int,
+) -> LevelArrays:
+    """Validate a level's index arrays (see the module docstring) and compute its KV lengths."""
+    if page_size <= 0:
+        raise ValueError(f"page_size must be positive, got {page_size}")
+    qo = _as_int_array("qo_indptr", qo_indptr)
+    kvp = _as_int_array("kv_indptr", kv_indptr)
+    idx = _as_int_array("kv_indices", kv_indices)
+    last = _as_int_array("kv_last_page_len", kv_last_page_len)
+    num_groups = last.shape[0]
+    if qo.shape[0] != num_groups + 1 or kvp.shape[0] != num_groups + 1:
+        raise ValueError(
+            f"qo_indptr {qo.shape}, kv_indptr {kvp.shape} and kv_last_page_len {last.shape} "
+            "disagree on the group count"
+        )
+    q_len = np.diff(qo)
+    num_pages = np.diff(kvp)
+    if qo[0] != 0 or (q_len < 0).any() or (num_pages < 0).any() or kvp[0] < 0 or kvp[-1] > idx.shape[0]:
+        raise ValueError("qo_indptr must start at 0, indptrs must be non-decreasing and within kv_indices")
+    has_kv = num_pages > 0
+    if ((last < 1) | (last > page_size))[has_kv].any():
+        raise ValueError(f"kv_last_page_len must be in 1..{page_size} for groups with pages")
+    used = idx[kvp[0] : kvp[-1]]
+    if used.size and (used.min() < 0 or used.max() >= 2**31):
+        raise ValueError("kv_indices must hold page ids in [0, 2**31)")
+    kv_len = np.where(has_kv, (num_pages - 1) * page_size + last, 0)
+    if qo[-1] >= 2**30 or kv_len.max(initial=0) >= 2**30:
+        raise ValueError("level too large: query tokens and KV lengths must stay below 2**30")
+    return LevelArrays(qo, kvp, idx, kv_len, int(used.max(initial=-1)))
+
+
+def auto_chunk(
+    kv_len: np.ndarray, programs: np.ndarray, tile: TileConfig, sms: int, max_splits: int = MAX_SPLITS
+) -> int:
+    """KV tokens per split for a level whose group g runs ``programs[g]`` programs (M tiles x KV
+    heads) over ``kv_len[g]`` tokens. Splits only when the unsplit level leaves SMs idle.
+
+    Model: a wave of resident programs takes as long as its longest chunk. Among chunk lengths that
+    cut the longest group into 1..64 equal parts, pick the fewest waves x chunk, moving to more
+    splits only for a clear gain.
+    """
+    slots = sms * tile.resident_per_sm()
+    if int(programs.sum()) >= slots or kv_len.size == 0:
+        return UNSPLIT
+    longest = int(kv_len.max())
+    best_cost, best_chunk = longest, UNSPLIT  # one wave of the unsplit level
+    for parts in range(2, max_splits + 1):
+        chunk = cdiv(cdiv(longest, parts), tile.block_n) * tile.block_n
+        if chunk < MIN_SPLIT_TOKENS:
+            break
+        total = int((programs * np.maximum(-(-kv_len // chunk), 1)).sum())
+        cost = cdiv(total, slots) * chunk
+        # More splits must win clearly: each also costs partial rows to write and merge.
+        if cost < 0.9 * best_cost:
+            best_cost, best_chunk = cost, chunk
+    return best_chunk
+
+
+def level_work(
+    level: LevelArrays,
+    *,
+    causal: bool,
+    group_size: int,
+    num_kv_heads: int,
+    tile: TileConfig,
+    sms: int,
+    kv_chunk_size: int | None,
+    max_splits: int = MAX_SPLITS,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Cut a level into work items: (work int64 [W, WORK_COLS] with OROW 0, splits int64 [nq]: the
+    partial states the level writes for each planned query token, 0 for tokens of groups without KV).
+
+    kv_chunk_size: KV tokens per split (rounded up to a multiple of the KV tile); None splits only
+    when the level has too few programs for the device (``auto_chunk``). max_splits: per group.
+    """
+    qo, kvp, kv_len = level.qo_indptr, level.kv_indptr, level.kv_len
+    q_len = np.diff(qo)
+    tile_q = tile.block_m // group_size
+    m_tiles = -(-q_len // tile_q)  # 0 for a group without queries: it writes nothing
+    if kv_chunk_size is None:
+        chunk = auto_chunk(kv_len, m_tiles * num_kv_heads, tile, sms, max_splits)
+    else:
+        if kv_chunk_size <= 0:
+            raise ValueError(f"kv_chunk_size must be positive, got {kv_chunk_size}")
+        chunk = kv_chunk_size
+    chunk = min(cdiv(chunk, tile.block_n) * tile.block_n, UNSPLIT)
+    # A group without KV gets no program and no partial row: the merge turns "no rows" into out 0
+    # and lse -inf. Groups capped at MAX_SPLITS take longer chunks instead of more splits.
+    splits = np.where(kv_len > 0, np.clip(-(-kv_len // chunk), 1, max_splits), 0)
+    per = -(-kv_len // np.maximum(splits, 1))
+    group_chunk = np.maximum(-(-per // tile.block_n) * tile.block_n, tile.block_n)
+
+    items = splits * m_tiles
+    total = int(items.sum())
+    g = np.repeat(np.arange(kv_len.shape[0]), items)
+    local = np.arange(total) - np.repeat(np.cumsum(items) - items, items)
+    # m-tiles innermost: the programs that read the same KV chunk run side by side and share it in L2.
+    s = local // np.maximum(m_tiles[g], 1)
+    m = local % np.maximum(m_tiles[g], 1)
+    work = np.zeros((total, WORK_COLS), dtype=np.int64)
+    work[:, Q0] = qo[g] + m * tile_q
+    work[:, Q1] = np.minimum(qo[g] + (m + 1) * tile_q, qo[g + 1])
+    work[:, PAGE0] = kvp[g]
+    work[:, KV0] = np.minimum(s * group_chunk[g], kv_len[g])
+    work[:, KV1] = np.minimum((s + 1) * group_chunk[g], kv_len[g])
+    work[:, SPLIT] = s
+    work[:, DIAG] = (kv_len[g] - q_len[g] - qo[g]) if causal else NO_MASK
+    return work, np.repeat(splits, q_len)
+
+
+def longest_first(work: np.ndarray) -> np.ndarray:
+    """Work items ordered by decreasing KV tokens x query tokens (stable): the long items start first,
+    so that the short ones fill in behind them on every SM."""
+    cost = (work[:, KV1] - work[:, KV0]) * (work[:, Q1] - work[:, Q0] + 1)
+    return work[np.argsort(-cost, kind="stable")]

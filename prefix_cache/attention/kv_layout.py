@@ -1,0 +1,45 @@
+"""The KV-cache layouts the backends accept, reduced to one K view and one V view (torch only).
+
+Every backend addresses K and V through strides, so any layout whose last axis (head_dim) is
+contiguous works; ``split_kv_cache`` says which forms are accepted and returns the two views.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: A KV cache: one ``[num_pages, 2, page_size, H, D]`` tensor or a ``(k_cache, v_cache)`` pair.
+KVCache = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+
+def split_kv_cache(kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V as two ``[num_pages, page_size, num_kv_heads, head_dim]`` views (no copy).
+
+    kv_cache: a ``[num_pages, 2, page_size, H, D]`` tensor (K at index 0 of dim 1, FlashInfer's NHD),
+    or a ``(k_cache, v_cache)`` pair of ``[num_pages, page_size, H, D]`` tensors of any strides:
+    vLLM's ``[2, num_pages, page_size, H, D]`` is passed as ``(kv[0], kv[1])``, an HND pool
+    ``[num_pages, H, page_size, D]`` as its ``.transpose(1, 2)`` views. head_dim must be contiguous.
+    """
+    if isinstance(kv_cache, torch.Tensor):
+        if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
+            raise ValueError(
+                "kv_cache must be [num_pages, 2, page_size, num_kv_heads, head_dim] or a (k, v) pair, "
+                f"got shape {tuple(kv_cache.shape)}"
+            )
+        k, v = kv_cache[:, 0], kv_cache[:, 1]
+    elif isinstance(kv_cache, tuple | list) and len(kv_cache) == 2:
+        k, v = kv_cache
+        if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor):
+            raise ValueError("a (k_cache, v_cache) pair must hold two tensors")
+        if k.dim() != 4 or k.shape != v.shape:
+            raise ValueError(
+                "k_cache and v_cache must both be [num_pages, page_size, num_kv_heads, head_dim], got "
+                f"{tuple(k.shape)} and {tuple(v.shape)}"
+            )
+        if k.dtype != v.dtype or k.device != v.device:
+            raise ValueError(f"k_cache and v_cache differ: {k.dtype} on {k.device}, {v.dtype} on {v.device}")
+    else:
+        raise ValueError(f"kv_cache must be a tensor or a (k_cache, v_cache) pair, got {type(kv_cache)}")
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("the head_dim axis of the KV cache must be contiguous")
+    return k, v
