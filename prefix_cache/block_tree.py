@@ -109,8 +109,8 @@ class BlockTree:
 
     def __init__(self, hash_fn: HashFn) -> None:
         self.hash_fn = hash_fn
-        # Keys from a caller's hash function are checked; the default's need not be.
-        self._check_keys = hash_fn is not default_hash_fn
+        #: Keys from a caller's hash function are checked; the default's need not be.
+        self.check_keys = hash_fn is not default_hash_fn
         self.roots: dict[Namespace, Root] = {}
         #: Bumped whenever a node is added or removed, so a match result can be reused while the
         #: tree is unchanged.
@@ -249,7 +249,7 @@ class BlockTree:
         """
         hash_fn = self.hash_fn
         index = parent.root.index
-        check = self._check_keys
+        check = self.check_keys
         keys: list[int] = []
         append = keys.append
         key = parent.key
@@ -297,6 +297,19 @@ class BlockTree:
             self.num_nodes += len(nodes)
             self.version += 1
         return nodes
+
+    def add(self, parent: Node, key: int, page: int, tokens: bytes) -> Node:
+        """``extend`` for one page whose ``key`` is not taken (the decode path)."""
+        root = parent.root
+        node = Node(key, parent, page, tokens, root)
+        if parent.child is None and parent.children is None:
+            parent.child = node
+        else:
+            _add_child(parent, node)
+        root.index[key] = node
+        self.num_nodes += 1
+        self.version += 1
+        return node
 
     def evict(self, count: int) -> list[Node]:
         """Remove up to ``count`` nodes from the tree, least recently released unreferenced leaf

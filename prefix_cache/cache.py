@@ -139,6 +139,8 @@ class PrefixCache:
         # Set when the backlog overflowed ``max_events``: the next drain resynchronises.
         self._events_overflowed = False
         self._live: set[Sequence] = set()
+        # id(buffer) -> (buffer, per row: (sequence, rollbacks, entries)), see write_block_tables.
+        self._tables: dict[int, tuple[np.ndarray, list[tuple[Sequence, int, int] | None]]] = {}
         # Held (never waited on) by every call that touches shared state, see the class docstring.
         self._lock = threading.Lock()
         # (root, tree version, prompt bytes, nodes) of the last walk, see _match.
@@ -230,36 +232,43 @@ class PrefixCache:
         """
         arr = as_token_array(tokens)
         check_namespace(namespace)
-        page_size = self._page_size
-        prompt_pages = -(-len(arr) // page_size)
         # Everything that allocates comes before the first change, so a MemoryError changes nothing.
-        capacity = prompt_pages + _DECODE_HEADROOM_PAGES
-        seq = Sequence(self, self._next_seq_id, namespace, None, capacity, page_size)
+        seq = self._new_sequence(arr, namespace, 0)
         if not self._lock.acquire(False):
             self._concurrent()
         try:
-            live = self._live
-            live.add(seq)
-            try:
-                root = self._tree.root(namespace)
-            except BaseException:
-                live.discard(seq)
-                raise
-            self._next_seq_id += 1
-            seq._root = root
-            root.ref += 1
-            nodes = self._match(root, arr, memoryview(seq._pages))
-            seq._nodes = nodes
-            num_cached = len(nodes) * page_size
-            if nodes:
-                seq._num_pages = len(nodes)
-                seq._capacity = num_cached
-                seq._tokens[:num_cached] = arr[:num_cached]
-            seq._num_tokens = seq._num_allocated = seq._num_cached_tokens = num_cached
-            seq._num_full_pages = len(nodes)
-            self._opened += 1
-            self._query_tokens += len(arr)
-            self._hit_tokens += num_cached
+            self._open(seq, arr, namespace)
+            return seq
+        finally:
+            self._lock.release()
+
+    def admit(self, tokens: object, namespace: Namespace = None, *, extra_tokens: int = 0) -> Sequence:
+        """``open`` the prompt and ``allocate`` slots for its uncached tokens plus ``extra_tokens``
+        (say 1 for the first decode step), all or nothing: when the pool cannot supply the pages
+        even by evicting, raises ``OutOfPages`` and changes nothing at all (no LRU stamp, no
+        statistics), so a scheduler can try a request and move on. Pages of the cached prefix that
+        are evictable now count as taken, since admitting locks them.
+        """
+        arr = as_token_array(tokens)
+        check_namespace(namespace)
+        extra_tokens = _check_int("extra_tokens", extra_tokens, 0)
+        seq = self._new_sequence(arr, namespace, extra_tokens)
+        if not self._lock.acquire(False):
+            self._concurrent()
+        try:
+            tree = self._tree
+            root = tree.roots.get(namespace)
+            nodes = self._match(root, arr, None) if root is not None else []
+            needed = -(-(len(arr) + extra_tokens) // self._page_size) - len(nodes)
+            # Refs never grow down a path, so the matched pages nobody holds are its last ones.
+            locked = 0
+            while locked < len(nodes) and nodes[-1 - locked].ref == 0:
+                locked += 1
+            available = len(self._pool.free) + tree.num_unreferenced - locked
+            if needed > available:
+                raise OutOfPages(needed, available)
+            self._open(seq, arr, namespace)
+            self._allocate_pages(seq, len(arr) + extra_tokens)
             return seq
         finally:
             self._lock.release()
@@ -330,7 +339,13 @@ class PrefixCache:
                 seq._tokens[n] = token
                 n += 1
                 if n % self._page_size == 0:
-                    self._store_locked(seq, n)
+                    lock = self._lock
+                    if not lock.acquire(False):
+                        self._concurrent()
+                    try:
+                        self._store_full_pages(seq, n)
+                    finally:
+                        lock.release()
                 seq._num_tokens = n
                 return
         arr = as_token_array(tokens)
@@ -346,6 +361,148 @@ class PrefixCache:
         if end // self._page_size > seq._num_full_pages:
             self._store_locked(seq, end)
         seq._num_tokens = end
+
+    def rollback(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back the reserved slots of ``seq`` past its first ``num_tokens`` tokens, and the
+        pages they leave empty (speculative decoding: the engine allocated slots for draft tokens,
+        wrote their KV, committed the accepted ones and rolls the rest back).
+
+        ``num_tokens`` lies in ``[seq.num_tokens, seq.num_allocated_tokens]``: committed tokens
+        cannot be rolled back, so commit only accepted tokens and a rejected token never reaches a
+        cached page. This is the only call that removes block table entries (those past
+        ``ceil(num_tokens / page_size)``) before ``close``; the engine must not read them again.
+        """
+        try:
+            owner = seq._owner
+        except AttributeError:
+            raise TypeError(f"expected a Sequence, got {type(seq).__name__}") from None
+        if owner is not self:
+            self._reject(seq)
+        num_tokens = _check_int("num_tokens", num_tokens, seq._num_tokens, seq._num_allocated)
+        if not self._lock.acquire(False):
+            self._concurrent()
+        try:
+            keep = -(-num_tokens // self._page_size)
+            if keep < seq._num_pages:
+                self._pool.put_many(seq._pages[keep : seq._num_pages].tolist())
+                seq._num_pages = keep
+                seq._capacity = keep * self._page_size
+                # Entries written by write_block_tables past ``keep`` are stale now.
+                seq._rollbacks += 1
+            seq._num_allocated = num_tokens
+        finally:
+            self._lock.release()
+
+    def allocate_batch(self, seqs: list[Sequence], num_tokens: int = 1) -> None:
+        """``allocate(seq, num_tokens)`` for each of ``seqs`` (the decode step: one slot each), all
+        or nothing: raises ``OutOfPages`` and changes nothing when the pages for all of them cannot
+        be supplied."""
+        if type(num_tokens) is not int or num_tokens < 0:
+            num_tokens = _check_int("num_tokens", num_tokens, 0)
+        self._check_batch(seqs)
+        page_size = self._page_size
+        short = []
+        needed = 0
+        for seq in seqs:
+            end = seq._num_allocated + num_tokens
+            if end <= seq._capacity:
+                continue
+            short.append(seq)
+            needed += -(-end // page_size) - seq._num_pages
+        if not short:
+            for seq in seqs:
+                seq._num_allocated += num_tokens
+            return
+        if not self._lock.acquire(False):
+            self._concurrent()
+        try:
+            available = len(self._pool.free) + self._tree.num_unreferenced
+            if needed > available:
+                raise OutOfPages(needed, available)
+            for seq in short:
+                pages = -(-(seq._num_allocated + num_tokens) // page_size)
+                if pages > len(seq._pages):
+                    seq._grow(pages, page_size)  # before any page is taken
+            for seq in seqs:
+                end = seq._num_allocated + num_tokens
+                if end <= seq._capacity:
+                    seq._num_allocated = end
+                else:
+                    self._allocate_pages(seq, end)
+        finally:
+            self._lock.release()
+
+    def commit_batch(self, seqs: list[Sequence], tokens: object) -> None:
+        """``commit(seq, [token])`` for each of ``seqs`` and the matching entry of ``tokens`` (1-D,
+        one token per sequence): the decode step's commit. Every sequence must have a reserved
+        slot; checked for all before any is committed (ValueError, nothing changed). An error of a
+        caller's ``hash_fn`` leaves the sequences before the failing one committed."""
+        arr = as_token_array(tokens)
+        if len(arr) != len(seqs):
+            raise ValueError(f"tokens has {len(arr)} entries for {len(seqs)} sequences")
+        self._check_batch(seqs)
+        for seq in seqs:
+            if seq._num_tokens >= seq._num_allocated:
+                raise ValueError(f"cannot commit: sequence {seq._id} has no reserved slot (allocate first)")
+        page_size = self._page_size
+        for seq, token in zip(seqs, arr.tolist(), strict=True):
+            n = seq._num_tokens
+            seq._tokens[n] = token
+            n += 1
+            if n % page_size == 0:
+                self._store_locked(seq, n)
+            seq._num_tokens = n
+
+    def write_block_tables(self, seqs: list[Sequence], out: np.ndarray, rows: object = None) -> int:
+        """Write the block tables of ``seqs`` into rows of ``out``, an int32 array
+        ``[max_requests, max_pages]`` the caller keeps between steps (row ``rows[i]`` for
+        ``seqs[i]``; ``rows`` defaults to ``0 .. len(seqs) - 1``). Block tables are append-only,
+        so only the entries added since the last write to the same row of the same buffer are
+        written. Entries past a sequence's ``len(block_table)`` are left as they were. Returns the
+        number of entries written.
+        """
+        if not isinstance(out, np.ndarray) or out.dtype != _INT32 or out.ndim != 2:
+            raise TypeError("out must be a 2-D int32 numpy array [max_requests, max_pages]")
+        if not out.flags.writeable:
+            raise ValueError("out must be writeable")
+        self._check_batch(seqs)
+        row_ids = list(range(len(seqs))) if rows is None else [_check_int("rows", r, 0) for r in rows]
+        if len(row_ids) != len(seqs):
+            raise ValueError(f"rows has {len(row_ids)} entries for {len(seqs)} sequences")
+        max_rows, max_pages = out.shape
+        for seq, row in zip(seqs, row_ids, strict=True):
+            if row >= max_rows:
+                raise ValueError(f"rows entry {row} is past out's {max_rows} rows")
+            if seq._num_pages > max_pages:
+                raise ValueError(
+                    f"sequence {seq._id} has {seq._num_pages} pages, out has room for {max_pages}"
+                )
+        # Per buffer and row: (sequence, its rollbacks, entries) of the last write there. The
+        # buffer itself is kept, so its id cannot be reused by another array.
+        table = self._tables.get(id(out))
+        if table is None or table[0] is not out:
+            table = self._tables[id(out)] = (out, [None] * max_rows)
+        marks = table[1]
+        written = 0
+        for seq, row in zip(seqs, row_ids, strict=True):
+            mark = marks[row]
+            start = mark[2] if mark is not None and mark[0] is seq and mark[1] == seq._rollbacks else 0
+            end = seq._num_pages
+            if start < end:
+                out[row, start:end] = seq._pages[start:end]
+                written += end - start
+            marks[row] = (seq, seq._rollbacks, end)
+        return written
+
+    def _check_batch(self, seqs: object) -> None:
+        """Raise unless ``seqs`` is a list or tuple of distinct open sequences of this cache."""
+        if not isinstance(seqs, (list, tuple)):
+            raise TypeError(f"seqs must be a list of Sequence, got {type(seqs).__name__}")
+        for seq in seqs:
+            if getattr(seq, "_owner", None) is not self:
+                self._reject(seq)
+        if len({id(seq) for seq in seqs}) != len(seqs):
+            raise ValueError("seqs lists a sequence twice")
 
     def close(self, seq: Sequence) -> None:
         """Release ``seq``: its cached pages stay cached (evictable once no other sequence holds
@@ -500,6 +657,39 @@ class PrefixCache:
                         stack.append(head)
         return events
 
+    def _new_sequence(self, arr: np.ndarray, namespace: Namespace, extra_tokens: int) -> Sequence:
+        """A sequence for the prompt ``arr``, not yet open, with buffer room for the prompt, the
+        ``extra_tokens`` after it, and some decode headroom."""
+        page_size = self._page_size
+        capacity = -(-(len(arr) + extra_tokens) // page_size) + _DECODE_HEADROOM_PAGES
+        return Sequence(self, self._next_seq_id, namespace, None, capacity, page_size)
+
+    def _open(self, seq: Sequence, arr: np.ndarray, namespace: Namespace) -> None:
+        """The work of ``open`` on a new sequence, under the lock."""
+        live = self._live
+        live.add(seq)
+        try:
+            root = self._tree.root(namespace)
+        except BaseException:
+            live.discard(seq)
+            raise
+        self._next_seq_id += 1
+        seq._root = root
+        root.ref += 1
+        nodes = self._match(root, arr, memoryview(seq._pages))
+        seq._nodes = nodes
+        page_size = self._page_size
+        num_cached = len(nodes) * page_size
+        if nodes:
+            seq._num_pages = len(nodes)
+            seq._capacity = num_cached
+            seq._tokens[:num_cached] = arr[:num_cached]
+        seq._num_tokens = seq._num_allocated = seq._num_cached_tokens = num_cached
+        seq._num_full_pages = len(nodes)
+        self._opened += 1
+        self._query_tokens += len(arr)
+        self._hit_tokens += num_cached
+
     def _match(self, root: Root, arr: np.ndarray, table: memoryview | None) -> list[Node]:
         """Nodes of the longest cached prefix of ``arr`` under ``root``, never covering the last
         token (the engine needs its logits). With a ``table`` (a new sequence's block table) each
@@ -574,6 +764,38 @@ class PrefixCache:
         parent: Node = nodes[-1] if nodes else seq._root
         page_bytes = 4 * page_size
         data = seq._tokens[first * page_size : full * page_size].tobytes()
+        if full == first + 1:
+            # One page (the decode path): the general code below, unrolled.
+            twin = parent.child
+            if twin is None:
+                if parent.children is not None:
+                    twin = parent.children.get(data)
+            elif twin.tokens != data:
+                twin = None
+            if twin is None:
+                key = tree.hash_fn(data, parent.key)
+                if tree.check_keys:
+                    check_key(key)
+                seq._num_full_pages = full
+                if key in seq._root.index:
+                    seq._broken = True
+                    self._collision_pages += 1
+                    return
+                nodes.append(tree.add(parent, key, int(seq._pages[first]), data))
+                self._stored_pages += 1
+                if self._record_events:
+                    self._emit(
+                        _PendingStored(
+                            [key], None if parent is seq._root else parent.key, data, seq._namespace
+                        )
+                    )
+                return
+            seq._num_full_pages = full
+            tree.acquire([twin])
+            nodes.append(twin)
+            seq._dups.append(int(seq._pages[first]))
+            self._duplicate_pages += 1
+            return
         # Cached twins, computed concurrently by other sequences.
         twins: list[Node] = []
         start = 0

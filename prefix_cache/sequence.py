@@ -41,6 +41,7 @@ class Sequence:
         "_owner",
         "_pages",
         "_pages_view",
+        "_rollbacks",
         "_root",
         "_tokens",
         "_tokens_view",
@@ -83,6 +84,8 @@ class Sequence:
         self._num_full_pages = 0
         # Set after a hash collision: no later page can be cached under a page that is not.
         self._broken = False
+        # Rollbacks that removed pages: block table entries written out before one are stale.
+        self._rollbacks = 0
 
     def __copy__(self) -> Sequence:
         raise TypeError("a Sequence cannot be copied: its pages would be released twice")

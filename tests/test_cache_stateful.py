@@ -81,7 +81,7 @@ class CacheMachine(RuleBasedStateMachine):
         return xxh3_64_intdigest(data, parent)
 
     @initialize(
-        page_size=st.integers(1, 8),
+        page_size=st.sampled_from([1, 2, 3, 5, 16]),
         tight=st.booleans(),
         pool=st.integers(1, 24),
         system=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=20),
@@ -206,8 +206,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ rules
 
-    def open_prompt(self, data, source: str, suffix: list[int], namespace, kind: int) -> Live:
-        """Open a prompt drawn from ``source`` and check its cached prefix against the models."""
+    def draw_prompt(self, data, source: str, suffix: list[int], namespace) -> tuple[list[int], object]:
         if source in ("extend", "repeat") and self.history:
             namespace, base = data.draw(st.sampled_from(self.history))
             prompt = list(base) if source == "repeat" else base + suffix
@@ -215,14 +214,21 @@ class CacheMachine(RuleBasedStateMachine):
             prompt = self.system + suffix
         else:
             prompt = suffix
-        if not prompt:
-            prompt = [0]
+        return prompt or [0], namespace
+
+    def open_prompt(self, data, source: str, suffix: list[int], namespace, kind: int) -> Live:
+        """Open a prompt drawn from ``source`` and check its cached prefix against the models."""
+        prompt, namespace = self.draw_prompt(data, source, suffix, namespace)
         expected = self.expected_match(prompt, namespace)
         before = snapshot(self.cache)
         assert self.cache.match(as_container(prompt, kind), namespace) == expected
         assert snapshot(self.cache) == before
         seq = self.cache.open(as_container(prompt, kind), namespace)
         assert seq.num_cached_tokens == expected == seq.num_tokens == seq.num_allocated_tokens
+        return self.opened(seq, prompt, namespace, expected)
+
+    def opened(self, seq: Sequence, prompt: list[int], namespace, expected: int) -> Live:
+        """Check a newly opened sequence's cached pages against the KV model, and track it."""
         table = seq.block_table.tolist()
         for pos in range(expected):
             assert self.kv[table[pos // self.ps]][pos % self.ps] == (namespace, tuple(prompt[: pos + 1]))
@@ -278,6 +284,75 @@ class CacheMachine(RuleBasedStateMachine):
         live = self.open_prompt(data, source, suffix, namespace, kind)
         if self.try_allocate(live, len(live.pending)) and live.pending:
             self.do_commit(live, live.pending, kind)
+
+    @rule(**PROMPT, extra=st.integers(0, 3))
+    def admit_at_once(self, data, source: str, suffix: list[int], namespace, kind: int, extra: int) -> None:
+        """``admit``: all or nothing, judged by the model (a matched page nobody holds counts as
+        taken)."""
+        prompt, namespace = self.draw_prompt(data, source, suffix, namespace)
+        expected = self.expected_match(prompt, namespace)
+        matched = [tuple(prompt[: k * self.ps]) for k in range(1, expected // self.ps + 1)]
+        unheld = sum(1 for prefix in matched if not self.refs.get((namespace, prefix)))
+        needed = -(-(len(prompt) + extra) // self.ps) - len(matched)
+        available = self.cache.num_free_pages + self.cache.num_evictable_pages - unheld
+        if needed > available:
+            before = snapshot(self.cache)
+            with pytest.raises(OutOfPages):
+                self.cache.admit(as_container(prompt, kind), namespace, extra_tokens=extra)
+            assert snapshot(self.cache) == before
+            return
+        seq = self.cache.admit(as_container(prompt, kind), namespace, extra_tokens=extra)
+        assert seq.num_cached_tokens == expected == seq.num_tokens
+        assert seq.num_allocated_tokens == len(prompt) + extra
+        live = self.opened(seq, prompt, namespace, expected)  # holds the prefix it matched
+        self.apply_events()  # evictions, before the model decides what later commits find cached
+        if live.pending:
+            self.do_commit(live, live.pending, kind)
+
+    @precondition(lambda self: any(live.seq.num_allocated_tokens > live.seq.num_tokens for live in self.live))
+    @rule(data=st.data())
+    def rollback(self, data) -> None:
+        """Speculative decoding: give back reserved slots that were not committed."""
+        live = data.draw(
+            st.sampled_from([x for x in self.live if x.seq.num_allocated_tokens > x.seq.num_tokens])
+        )
+        seq = live.seq
+        keep = data.draw(st.integers(seq.num_tokens, seq.num_allocated_tokens))
+        table, free = seq.block_table.tolist(), self.cache.num_free_pages
+        self.cache.rollback(seq, keep)
+        pages = -(-keep // self.ps)
+        assert seq.num_allocated_tokens == keep and seq.block_table.tolist() == table[:pages]
+        assert self.cache.num_free_pages == free + len(table) - pages
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), tokens=st.lists(st.integers(0, VOCAB - 1), min_size=24, max_size=24))
+    def decode_batch(self, data, tokens: list[int]) -> None:
+        """One decode step of several sequences through the batch calls."""
+        batch = data.draw(st.lists(st.sampled_from(self.live), min_size=1, unique_by=id))
+        needed = sum(
+            max(-(-(x.seq.num_allocated_tokens + 1) // self.ps) - len(x.seq.block_table), 0) for x in batch
+        )
+        if needed > self.cache.num_free_pages + self.cache.num_evictable_pages:
+            before = snapshot(self.cache)
+            with pytest.raises(OutOfPages):
+                self.cache.allocate_batch([x.seq for x in batch], 1)
+            assert snapshot(self.cache) == before
+            return
+        slots = [x.seq.num_allocated_tokens for x in batch]
+        self.cache.allocate_batch([x.seq for x in batch], 1)
+        self.apply_events()
+        assert [x.seq.num_allocated_tokens for x in batch] == [n + 1 for n in slots]
+        # Commit the next token of those whose slot is the next uncommitted one.
+        ready = [x for x in batch if x.seq.num_tokens == x.seq.num_allocated_tokens - 1]
+        streams = [(x.pending or [tokens[i]])[:1] for i, x in enumerate(ready)]
+        for live, stream in zip(ready, streams, strict=True):
+            self.write_kv(live, stream)
+        self.cache.commit_batch([x.seq for x in ready], [stream[0] for stream in streams])
+        for live, stream in zip(ready, streams, strict=True):
+            self.model_commit(live, stream)
+            live.pending = live.pending[1:]
+            live.tokens += stream
+            assert live.seq.tokens.tolist() == live.tokens
 
     @precondition(lambda self: self.live)
     @rule(data=st.data(), token=st.integers(0, VOCAB - 1), as_array=st.booleans())
