@@ -263,11 +263,12 @@ class BlockTree:
         return keys
 
     def extend(
-        self, parent: Node, data: bytes, start: int, page_bytes: int, pages: list[int], keys: list[int]
+        self, parent: Node, data: bytes, start: int, page_bytes: int, pages: list[int], keys: list[int] | None
     ) -> list[Node]:
-        """Cache ``pages`` as a chain of new nodes below ``parent`` under ``keys`` (from
-        ``new_keys``, one per page), each held once by the caller. Returns the new nodes: all pages, or fewer
-        when a key repeats within the chain (only a colliding hash function does that).
+        """Cache ``pages`` as a chain of new nodes below ``parent``, each held once by the caller,
+        under ``keys`` (from ``new_keys``, one per page) or, when None, keys computed here with the
+        hash function (which must not fail: the default). Returns the new nodes: all pages, or
+        fewer when a key is taken (a collision) or repeats within the chain.
 
         parent: held or a root, without a child holding the first page's tokens (so a later page
             cannot have a cached twin either: its parent is new).
@@ -275,13 +276,16 @@ class BlockTree:
         """
         root = parent.root
         index = root.index
+        hash_fn = self.hash_fn
         nodes: list[Node] = []
         append = nodes.append
         first = start
-        for page, key in zip(pages, keys, strict=True):
+        key = parent.key
+        for i, page in enumerate(pages):
+            chunk = data[start : start + page_bytes]
+            key = hash_fn(chunk, key) if keys is None else keys[i]
             if key in index:
                 break
-            chunk = data[start : start + page_bytes]
             node = Node(key, parent, page, chunk, root)
             if start != first:
                 parent.child = node  # a new node has no other child

@@ -400,19 +400,13 @@ class PrefixCache:
         if type(num_tokens) is not int or num_tokens < 0:
             num_tokens = _check_int("num_tokens", num_tokens, 0)
         self._check_batch(seqs)
-        page_size = self._page_size
-        short = []
-        needed = 0
-        for seq in seqs:
-            end = seq._num_allocated + num_tokens
-            if end <= seq._capacity:
-                continue
-            short.append(seq)
-            needed += -(-end // page_size) - seq._num_pages
+        short = [seq for seq in seqs if seq._num_allocated + num_tokens > seq._capacity]
         if not short:
             for seq in seqs:
                 seq._num_allocated += num_tokens
             return
+        page_size = self._page_size
+        needed = sum(-(-(seq._num_allocated + num_tokens) // page_size) - seq._num_pages for seq in short)
         if not self._lock.acquire(False):
             self._concurrent()
         try:
@@ -441,9 +435,9 @@ class PrefixCache:
         if len(arr) != len(seqs):
             raise ValueError(f"tokens has {len(arr)} entries for {len(seqs)} sequences")
         self._check_batch(seqs)
-        for seq in seqs:
-            if seq._num_tokens >= seq._num_allocated:
-                raise ValueError(f"cannot commit: sequence {seq._id} has no reserved slot (allocate first)")
+        if not all(seq._num_tokens < seq._num_allocated for seq in seqs):
+            seq = next(seq for seq in seqs if seq._num_tokens >= seq._num_allocated)
+            raise ValueError(f"cannot commit: sequence {seq._id} has no reserved slot (allocate first)")
         page_size = self._page_size
         for seq, token in zip(seqs, arr.tolist(), strict=True):
             n = seq._num_tokens
@@ -458,39 +452,47 @@ class PrefixCache:
         ``[max_requests, max_pages]`` the caller keeps between steps (row ``rows[i]`` for
         ``seqs[i]``; ``rows`` defaults to ``0 .. len(seqs) - 1``). Block tables are append-only,
         so only the entries added since the last write to the same row of the same buffer are
-        written. Entries past a sequence's ``len(block_table)`` are left as they were. Returns the
-        number of entries written.
+        written, and rows without new entries are not touched. Entries past a sequence's
+        ``len(block_table)`` are left as they were. Returns the number of entries written. An
+        error (a row out of range, a table longer than a row) leaves the rows before it written.
         """
         if not isinstance(out, np.ndarray) or out.dtype != _INT32 or out.ndim != 2:
             raise TypeError("out must be a 2-D int32 numpy array [max_requests, max_pages]")
         if not out.flags.writeable:
             raise ValueError("out must be writeable")
         self._check_batch(seqs)
-        row_ids = list(range(len(seqs))) if rows is None else [_check_int("rows", r, 0) for r in rows]
-        if len(row_ids) != len(seqs):
-            raise ValueError(f"rows has {len(row_ids)} entries for {len(seqs)} sequences")
+        if rows is None:
+            row_ids: object = range(len(seqs))
+        else:
+            row_ids = [_check_int("rows", row, 0) for row in rows]
+            if len(row_ids) != len(seqs):
+                raise ValueError(f"rows has {len(row_ids)} entries for {len(seqs)} sequences")
         max_rows, max_pages = out.shape
-        for seq, row in zip(seqs, row_ids, strict=True):
-            if row >= max_rows:
-                raise ValueError(f"rows entry {row} is past out's {max_rows} rows")
-            if seq._num_pages > max_pages:
-                raise ValueError(
-                    f"sequence {seq._id} has {seq._num_pages} pages, out has room for {max_pages}"
-                )
         # Per buffer and row: (sequence, its rollbacks, entries) of the last write there. The
         # buffer itself is kept, so its id cannot be reused by another array.
         table = self._tables.get(id(out))
         if table is None or table[0] is not out:
             table = self._tables[id(out)] = (out, [None] * max_rows)
         marks = table[1]
+        if len(marks) < max_rows:
+            marks += [None] * (max_rows - len(marks))
         written = 0
+        # Rows are checked as they come: an error leaves the rows before it written and recorded.
         for seq, row in zip(seqs, row_ids, strict=True):
-            mark = marks[row]
-            start = mark[2] if mark is not None and mark[0] is seq and mark[1] == seq._rollbacks else 0
+            if row >= max_rows:
+                raise ValueError(f"rows entry {row} is past out's {max_rows} rows")
             end = seq._num_pages
-            if start < end:
-                out[row, start:end] = seq._pages[start:end]
-                written += end - start
+            mark = marks[row]
+            if mark is not None and mark[0] is seq and mark[1] == seq._rollbacks:
+                start = mark[2]
+                if start == end:
+                    continue  # unchanged: not touched
+            else:
+                start = 0
+            if end > max_pages:
+                raise ValueError(f"sequence {seq._id} has {end} pages, out has room for {max_pages}")
+            out[row, start:end] = seq._pages[start:end]
+            written += end - start
             marks[row] = (seq, seq._rollbacks, end)
         return written
 
@@ -498,10 +500,15 @@ class PrefixCache:
         """Raise unless ``seqs`` is a list or tuple of distinct open sequences of this cache."""
         if not isinstance(seqs, (list, tuple)):
             raise TypeError(f"seqs must be a list of Sequence, got {type(seqs).__name__}")
-        for seq in seqs:
-            if getattr(seq, "_owner", None) is not self:
-                self._reject(seq)
-        if len({id(seq) for seq in seqs}) != len(seqs):
+        try:
+            owned = all(seq._owner is self for seq in seqs)
+        except AttributeError:
+            owned = False
+        if not owned:
+            for seq in seqs:
+                if getattr(seq, "_owner", None) is not self:
+                    self._reject(seq)
+        if len(set(seqs)) != len(seqs):
             raise ValueError("seqs lists a sequence twice")
 
     def close(self, seq: Sequence) -> None:
@@ -523,7 +530,7 @@ class PrefixCache:
             pool.put_many(seq._pages[len(seq._nodes) : seq._num_pages].tolist())
             if seq._dups:
                 pool.put_many(seq._dups)
-                seq._dups = []
+                seq._dups = ()
             tree.release_root(seq._root)
             seq._owner = None
             seq._nodes = []
@@ -793,7 +800,7 @@ class PrefixCache:
             seq._num_full_pages = full
             tree.acquire([twin])
             nodes.append(twin)
-            seq._dups.append(int(seq._pages[first]))
+            seq._dups = [*seq._dups, int(seq._pages[first])]
             self._duplicate_pages += 1
             return
         # Cached twins, computed concurrently by other sequences.
@@ -807,19 +814,20 @@ class PrefixCache:
             parent = node
             start += page_bytes
         index = first + len(twins)
-        keys = tree.new_keys(parent, data, start, page_bytes, full - index) if index < full else []
+        # A caller's hash function may fail: its keys are computed before anything changes. The
+        # default cannot, and computes them as the nodes are made.
+        keys = tree.new_keys(parent, data, start, page_bytes, full - index) if tree.check_keys else None
         # From here on nothing can fail.
         seq._num_full_pages = full
         if twins:
             tree.acquire(twins)
             nodes += twins
-            seq._dups += seq._pages[first:index].tolist()
+            seq._dups = [*seq._dups, *seq._pages[first:index].tolist()]
             self._duplicate_pages += len(twins)
         if index == full:
             return
-        stored = tree.extend(
-            parent, data, start, page_bytes, seq._pages[index : index + len(keys)].tolist(), keys
-        )
+        end = full if keys is None else index + len(keys)
+        stored = tree.extend(parent, data, start, page_bytes, seq._pages[index:end].tolist(), keys)
         nodes += stored
         self._stored_pages += len(stored)
         if index + len(stored) < full:
