@@ -10,7 +10,15 @@ import numpy as np
 
 from prefix_cache.block_tree import BlockTree, Node, Root, check_key
 from prefix_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
-from prefix_cache.hashing import HashFn, Namespace, check_namespace, default_hash_fn, namespace_seed
+from prefix_cache.hashing import (
+    ExtraKey,
+    HashFn,
+    Namespace,
+    check_namespace,
+    default_hash_fn,
+    namespace_seed,
+    page_extras,
+)
 from prefix_cache.page_pool import PagePool
 from prefix_cache.sequence import Sequence
 from prefix_cache.stats import CacheStats
@@ -58,6 +66,7 @@ class _PendingStored(NamedTuple):
     parent_block_hash: int | None
     token_bytes: bytes
     namespace: Namespace
+    extras: list[bytes | None] | None = None
 
 
 def _check_int(name: str, value: object, low: int, high: int | None = None) -> int:
@@ -208,41 +217,60 @@ class PrefixCache:
 
     # ------------------------------------------------------------------ engine API
 
-    def match(self, tokens: object, namespace: Namespace = None) -> int:
-        """Length in tokens of the cached prefix ``open(tokens, namespace)`` would lock now: whole
-        pages, at most ``len(tokens) - 1``. Changes nothing (LRU order and statistics included)."""
+    def match(
+        self, tokens: object, namespace: Namespace = None, *, extra_keys: list[ExtraKey] | None = None
+    ) -> int:
+        """Length in tokens of the cached prefix ``open(tokens, namespace, extra_keys=...)`` would
+        lock now: whole pages, at most ``len(tokens) - 1``. Changes nothing (LRU order and
+        statistics included)."""
         arr = as_token_array(tokens)
         check_namespace(namespace)
+        extras = page_extras(extra_keys, len(arr), self._page_size)
         if not self._lock.acquire(False):
             self._concurrent()
         try:
             root = self._tree.roots.get(namespace)
             if root is None:
                 return 0
-            return len(self._match(root, arr, None)) * self._page_size
+            return len(self._match(root, arr, None, extras)) * self._page_size
         finally:
             self._lock.release()
 
-    def open(self, tokens: object, namespace: Namespace = None) -> Sequence:
+    def open(
+        self, tokens: object, namespace: Namespace = None, *, extra_keys: list[ExtraKey] | None = None
+    ) -> Sequence:
         """Start a sequence for the prompt ``tokens`` (1-D ints) and lock its longest cached prefix.
 
         The sequence starts with ``num_tokens == num_allocated_tokens == num_cached_tokens`` and a
         block table of the cached pages; the engine then allocates and commits
         ``tokens[seq.num_cached_tokens:]``.
+
+        extra_keys: ``(start, end, key)`` entries: ``key`` (bytes, str or an int in
+            ``[0, 2**64)``, an image's content hash, say) is part of the identity of every page
+            holding a token of ``start <= t < end``, so prompts with equal tokens but different
+            keys share no page from the first page a key covers on (see ``prefix_cache.hashing``).
         """
         arr = as_token_array(tokens)
         check_namespace(namespace)
+        extras = page_extras(extra_keys, len(arr), self._page_size)
         # Everything that allocates comes before the first change, so a MemoryError changes nothing.
         seq = self._new_sequence(arr, namespace, 0)
         if not self._lock.acquire(False):
             self._concurrent()
         try:
-            self._open(seq, arr, namespace)
+            self._open(seq, arr, namespace, extras)
             return seq
         finally:
             self._lock.release()
 
-    def admit(self, tokens: object, namespace: Namespace = None, *, extra_tokens: int = 0) -> Sequence:
+    def admit(
+        self,
+        tokens: object,
+        namespace: Namespace = None,
+        *,
+        extra_tokens: int = 0,
+        extra_keys: list[ExtraKey] | None = None,
+    ) -> Sequence:
         """``open`` the prompt and ``allocate`` slots for its uncached tokens plus ``extra_tokens``
         (say 1 for the first decode step), all or nothing: when the pool cannot supply the pages
         even by evicting, raises ``OutOfPages`` and changes nothing at all (no LRU stamp, no
@@ -252,13 +280,14 @@ class PrefixCache:
         arr = as_token_array(tokens)
         check_namespace(namespace)
         extra_tokens = _check_int("extra_tokens", extra_tokens, 0)
+        extras = page_extras(extra_keys, len(arr), self._page_size)
         seq = self._new_sequence(arr, namespace, extra_tokens)
         if not self._lock.acquire(False):
             self._concurrent()
         try:
             tree = self._tree
             root = tree.roots.get(namespace)
-            nodes = self._match(root, arr, None) if root is not None else []
+            nodes = self._match(root, arr, None, extras) if root is not None else []
             needed = -(-(len(arr) + extra_tokens) // self._page_size) - len(nodes)
             # Refs never grow down a path, so the matched pages nobody holds are its last ones.
             locked = 0
@@ -267,7 +296,7 @@ class PrefixCache:
             available = len(self._pool.free) + tree.num_unreferenced - locked
             if needed > available:
                 raise OutOfPages(needed, available)
-            self._open(seq, arr, namespace)
+            self._open(seq, arr, namespace, extras)
             self._allocate_pages(seq, len(arr) + extra_tokens)
             return seq
         finally:
@@ -602,6 +631,7 @@ class PrefixCache:
                 token_ids=np.frombuffer(event.token_bytes, dtype=np.int32).tolist(),
                 block_size=page_size,
                 namespace=event.namespace,
+                extra_keys=event.extras,
             )
             if type(event) is _PendingStored
             else event
@@ -651,13 +681,17 @@ class PrefixCache:
                     while head.child is not None:
                         head = head.child
                         chain.append(head)
+                    page_bytes = 4 * page_size
+                    extras = [n.tokens[page_bytes:] or None for n in chain]
+                    tokens = b"".join(n.tokens[:page_bytes] for n in chain)
                     events.append(
                         BlockStored(
                             block_hashes=[n.key for n in chain],
                             parent_block_hash=None if node is root else node.key,
-                            token_ids=np.frombuffer(b"".join(n.tokens for n in chain), np.int32).tolist(),
+                            token_ids=np.frombuffer(tokens, np.int32).tolist(),
                             block_size=page_size,
                             namespace=root.namespace,
+                            extra_keys=extras if any(extras) else None,
                         )
                     )
                     if head.children is not None:
@@ -671,7 +705,7 @@ class PrefixCache:
         capacity = -(-(len(arr) + extra_tokens) // page_size) + _DECODE_HEADROOM_PAGES
         return Sequence(self, self._next_seq_id, namespace, None, capacity, page_size)
 
-    def _open(self, seq: Sequence, arr: np.ndarray, namespace: Namespace) -> None:
+    def _open(self, seq: Sequence, arr: np.ndarray, namespace: Namespace, extras: dict[int, bytes]) -> None:
         """The work of ``open`` on a new sequence, under the lock."""
         live = self._live
         live.add(seq)
@@ -682,8 +716,10 @@ class PrefixCache:
             raise
         self._next_seq_id += 1
         seq._root = root
+        if extras:
+            seq._extras = extras
         root.ref += 1
-        nodes = self._match(root, arr, memoryview(seq._pages))
+        nodes = self._match(root, arr, memoryview(seq._pages), extras)
         seq._nodes = nodes
         page_size = self._page_size
         num_cached = len(nodes) * page_size
@@ -697,15 +733,27 @@ class PrefixCache:
         self._query_tokens += len(arr)
         self._hit_tokens += num_cached
 
-    def _match(self, root: Root, arr: np.ndarray, table: memoryview | None) -> list[Node]:
-        """Nodes of the longest cached prefix of ``arr`` under ``root``, never covering the last
-        token (the engine needs its logits). With a ``table`` (a new sequence's block table) each
-        node gets one more reference and its page id is written to the table."""
+    def _match(
+        self, root: Root, arr: np.ndarray, table: memoryview | None, extras: dict[int, bytes]
+    ) -> list[Node]:
+        """Nodes of the longest cached prefix of ``arr`` (with the pages' ``extras``) under
+        ``root``, never covering the last token (the engine needs its logits). With a ``table``
+        (a new sequence's block table) each node gets one more reference and its page id is
+        written to the table."""
         if root.is_leaf or len(arr) <= self._page_size:
             return []
         tree = self._tree
         num_pages = (len(arr) - 1) // self._page_size
         data = arr.tobytes()
+        if extras:
+            pb = 4 * self._page_size
+            chunks = [data[i * pb : (i + 1) * pb] + extras.get(i, b"") for i in range(num_pages)]
+            nodes = tree.match_chunks(root, chunks)
+            if table is not None:
+                tree.acquire(nodes)
+                for i, node in enumerate(nodes):
+                    table[i] = node.page
+            return nodes
         # Engines call match and then open with the same prompt: reuse the walk while the tree
         # is unchanged (one memcmp of the prompt instead of a lookup per page).
         last = self._last_match
@@ -771,8 +819,12 @@ class PrefixCache:
         parent: Node = nodes[-1] if nodes else seq._root
         page_bytes = 4 * page_size
         data = seq._tokens[first * page_size : full * page_size].tobytes()
+        seq_extras = seq._extras
         if full == first + 1:
             # One page (the decode path): the general code below, unrolled.
+            extra = seq_extras.get(first) if seq_extras else None
+            if extra:
+                data += extra
             twin = parent.child
             if twin is None:
                 if parent.children is not None:
@@ -791,11 +843,12 @@ class PrefixCache:
                 nodes.append(tree.add(parent, key, int(seq._pages[first]), data))
                 self._stored_pages += 1
                 if self._record_events:
-                    self._emit(
-                        _PendingStored(
-                            [key], None if parent is seq._root else parent.key, data, seq._namespace
-                        )
-                    )
+                    parent_key = None if parent is seq._root else parent.key
+                    if extra:
+                        event = _PendingStored([key], parent_key, data[:page_bytes], seq._namespace, [extra])
+                    else:
+                        event = _PendingStored([key], parent_key, data, seq._namespace)
+                    self._emit(event)
                 return
             seq._num_full_pages = full
             tree.acquire([twin])
@@ -803,20 +856,23 @@ class PrefixCache:
             seq._dups = [*seq._dups, int(seq._pages[first])]
             self._duplicate_pages += 1
             return
+        # Identity bytes of each page: its tokens, then its extra keys (prompt pages only).
+        chunks = [data[start : start + page_bytes] for start in range(0, len(data), page_bytes)]
+        if seq_extras:
+            chunks = [chunk + seq_extras.get(first + i, b"") for i, chunk in enumerate(chunks)]
         # Cached twins, computed concurrently by other sequences.
         twins: list[Node] = []
-        start = 0
-        for _ in range(first, full):
-            node = parent.child_with(data[start : start + page_bytes])
+        for chunk in chunks:
+            node = parent.child_with(chunk)
             if node is None:
                 break
             twins.append(node)
             parent = node
-            start += page_bytes
         index = first + len(twins)
+        new = chunks[len(twins) :]
         # A caller's hash function may fail: its keys are computed before anything changes. The
         # default cannot, and computes them as the nodes are made.
-        keys = tree.new_keys(parent, data, start, page_bytes, full - index) if tree.check_keys else None
+        keys = tree.new_keys(parent, new) if tree.check_keys else None
         # From here on nothing can fail.
         seq._num_full_pages = full
         if twins:
@@ -827,7 +883,7 @@ class PrefixCache:
         if index == full:
             return
         end = full if keys is None else index + len(keys)
-        stored = tree.extend(parent, data, start, page_bytes, seq._pages[index:end].tolist(), keys)
+        stored = tree.extend(parent, new, seq._pages[index:end].tolist(), keys)
         nodes += stored
         self._stored_pages += len(stored)
         if index + len(stored) < full:
@@ -837,12 +893,17 @@ class PrefixCache:
             self._collision_pages += full - index - len(stored)
         if stored and self._record_events:
             # Turned into a BlockStored by drain_events, off the per-step path.
+            stored_chunks = new[: len(stored)]
+            extras = [chunk[page_bytes:] or None for chunk in stored_chunks] if seq_extras else None
             self._emit(
                 _PendingStored(
                     [node.key for node in stored],
                     None if parent is seq._root else parent.key,
-                    data[start : start + len(stored) * page_bytes],
+                    b"".join(chunk[:page_bytes] for chunk in stored_chunks)
+                    if seq_extras
+                    else data[len(twins) * page_bytes : (len(twins) + len(stored)) * page_bytes],
                     seq._namespace,
+                    extras if extras and any(extras) else None,
                 )
             )
 
@@ -944,7 +1005,7 @@ class _Checker:
                     self.fail(f"page {node.page}: indexed under the wrong key or namespace")
                 if parent is not root and root.index.get(parent.key) is not parent:
                     self.fail(f"page {node.page}: its parent is not in its namespace's tree")
-                if len(node.tokens) != 4 * self.cache._page_size:
+                if len(node.tokens) < 4 * self.cache._page_size:
                     self.fail(f"page {node.page}: stores {len(node.tokens)} bytes of tokens")
                 if tree.hash_fn(node.tokens, parent.key) != key:
                     self.fail(f"page {node.page}: key is not the hash of its tokens")
@@ -1009,6 +1070,8 @@ class _Checker:
                     dups.remove(page)
                     self.book(page, f"private copy of {name}")
                 tokens = seq._tokens[index * page_size : (index + 1) * page_size].tobytes()
+                if seq._extras:
+                    tokens += seq._extras.get(index, b"")
                 if tokens != node.tokens:
                     self.fail(f"{name}: page {index} tokens differ from the cached page's")
                 expected_ref[id(node)] = expected_ref.get(id(node), 0) + 1

@@ -30,6 +30,7 @@ class Sequence:
         "_cache",
         "_capacity",
         "_dups",
+        "_extras",
         "_id",
         "_namespace",
         "_nodes",
@@ -84,6 +85,8 @@ class Sequence:
         self._num_full_pages = 0
         # Set after a hash collision: no later page can be cached under a page that is not.
         self._broken = False
+        # Extra identity bytes of prompt pages, by page index (None without extra keys).
+        self._extras: dict[int, bytes] | None = None
         # Rollbacks that removed pages: block table entries written out before one are stale.
         self._rollbacks = 0
 
