@@ -18,6 +18,8 @@ import argparse
 import cProfile
 import gc
 import io
+import json
+import os
 import platform
 import pstats
 import shlex
@@ -41,13 +43,12 @@ from prefix_cache.sequence import Sequence
 # Git-ignored: a plain run never overwrites the committed results file next to it.
 RESULTS = Path(__file__).resolve().parent / "results" / "local" / "cache_sharegpt.md"
 
-#: Targets in µs: admission per request, decode per running request per step, close per request.
-TARGETS = {"admission": 50.0, "decode": 1.0, "close": 20.0}
-#: Measured elsewhere on the same kind of workload; quoted for scale only (not measured here).
-OTHERS = (
-    "two widely used engines' prefix caches: admission ~200 and ~340 µs, ~6 µs per decode step "
-    "(the one with per-step bookkeeping), finish ~30 and ~180 µs"
-)
+#: Targets in µs per page size: admission per request, decode per running request per step, close
+#: per request.
+TARGETS = {
+    16: {"admission": 40.0, "decode": 0.8, "close": 10.0},
+    1: {"admission": 100.0, "decode": 1.0, "close": 50.0},
+}
 
 
 class MatchingCache(PrefixCache):
@@ -211,80 +212,250 @@ def positive_int(text: str) -> int:
     return value
 
 
+def batch_decode_us(
+    page_size: int, batch: int = 64, steps: int = 400, repeats: int = 5
+) -> tuple[float, float]:
+    """µs per running request per decode step for ``batch`` sequences (300-token prompts), best of
+    ``repeats``: (per-sequence ``allocate(seq, 1)`` + ``commit(seq, [token])``, ``allocate_batch`` +
+    ``commit_batch`` + ``write_block_tables`` into a preallocated buffer)."""
+    best = [float("inf"), float("inf")]
+    for _ in range(repeats):
+        for batched in (False, True):
+            num_pages = batch * (steps + 400) // page_size + 4 * batch
+            cache = PrefixCache(num_pages, page_size, record_events=False)
+            seqs = []
+            for i in range(batch):
+                prompt = np.arange(i * 1000, i * 1000 + 300, dtype=np.int32)
+                seq = cache.admit(prompt)
+                cache.commit(seq, prompt)
+                seqs.append(seq)
+            tables = np.zeros((batch, (300 + steps) // page_size + 2), dtype=np.int32)
+            tokens = np.arange(batch, dtype=np.int32)
+            allocate, commit = cache.allocate, cache.commit
+            gc.collect()
+            t0 = time.perf_counter_ns()
+            if batched:
+                for _ in range(steps):
+                    cache.allocate_batch(seqs, 1)
+                    cache.write_block_tables(seqs, tables)
+                    cache.commit_batch(seqs, tokens)
+            else:
+                for step in range(steps):
+                    for seq in seqs:
+                        allocate(seq, 1)
+                        commit(seq, [step])
+            best[batched] = min(best[batched], (time.perf_counter_ns() - t0) / 1e3 / (steps * batch))
+    return best[0], best[1]
+
+
+PEERS = ("prefix_cache", "sglang", "vllm", "prefix_cache1", "sglang1")
+
+
+def run_peers(harness: Path, python: str, num_pages: str) -> dict[str, dict]:
+    """One ``replay.py`` run per peer of the harness in ``harness`` (``/work/shared/peers/cache``
+    style: it imports the peers' cache modules, set up by its ``setup.sh``), ours from this
+    checkout. Returns peer -> its JSON line, or {"skipped": why}."""
+    results: dict[str, dict] = {}
+    env = {**os.environ, "PREFIX_CACHE_SRC": str(Path(__file__).resolve().parent.parent)}
+    for peer in PEERS:
+        command = [python, "replay.py", "--peer", peer, "--trace", "sharegpt", "--num-pages", num_pages]
+        try:
+            run = subprocess.run(command, cwd=harness, env=env, capture_output=True, text=True, timeout=900)
+        except (OSError, subprocess.TimeoutExpired) as error:
+            results[peer] = {"skipped": f"{type(error).__name__}: {error}"}
+            continue
+        lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
+        if run.returncode != 0 or not lines:
+            tail = (run.stderr.strip().splitlines() or ["no output"])[-1]
+            results[peer] = {"skipped": f"exit {run.returncode}: {tail}"}
+            continue
+        results[peer] = json.loads(lines[-1])
+        if "skipped" in results[peer]:
+            print(f"peer {peer} skipped: {results[peer]['skipped']}")
+    return results
+
+
+def peer_rows(results: dict[str, dict], label: str) -> list[tuple[str, ...]]:
+    """Markdown rows: per peer the harness's figures, and ours / theirs at the same page size."""
+    figures = ("us_admit_per_req", "us_decode_per_step_req", "us_finish_per_req")
+    rows = []
+    for peer in PEERS:
+        run = results.get(peer, {})
+        if "skipped" in run or not run:
+            rows.append((label, peer, f"skipped: {run.get('skipped', 'not run')}", "", "", "", ""))
+            continue
+        ours = results.get("prefix_cache1" if peer.endswith("1") else "prefix_cache", {})
+        ratios = []
+        for key in figures:
+            if peer.startswith("prefix_cache") or "skipped" in ours or not ours:
+                ratios.append("")
+            elif not run.get(key):
+                ratios.append("n/a (theirs 0)")
+            else:
+                ratios.append(f"{ours.get(key, float('nan')) / run[key]:.2f}")
+        rows.append(
+            (
+                label,
+                peer,
+                f"{run.get('hit_rate', 0):.4f}",
+                *(f"{run.get(key, 0):.2f}" for key in figures),
+                " / ".join(ratios) if any(ratios) else "",
+            )
+        )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--conversations", type=positive_int, default=1000, help="ShareGPT conversations (default 1000)"
     )
     parser.add_argument(
-        "--num-pages", type=positive_int, default=16384, help="pages in the pool (default 16384)"
+        "--num-pages",
+        type=positive_int,
+        default=16384,
+        help="pages of 16 tokens in the pool (default 16384); other page sizes get the same tokens",
     )
     parser.add_argument("--repeats", type=positive_int, default=5, help="replays timed, >= 1 (default 5)")
+    parser.add_argument(
+        "--page-sizes", default="16,1", help="page sizes replayed, comma-separated (default 16,1)"
+    )
+    parser.add_argument(
+        "--peers",
+        type=Path,
+        default=None,
+        help="the peers' replay harness (a directory with replay.py, e.g. /work/shared/peers/cache): "
+        "runs SGLang's RadixCache and vLLM's KVCacheManager side by side; skipped when absent",
+    )
+    parser.add_argument(
+        "--peers-python", default="/tmp/peers/venv/bin/python", help="the interpreter of the peers' setup.sh"
+    )
     parser.add_argument("--profile", action="store_true", help="add a cProfile of one replay")
     parser.add_argument("--output", type=Path, default=RESULTS, help=f"results file (default {RESULTS})")
     args = parser.parse_args(argv)
+    try:
+        page_sizes = [int(x) for x in args.page_sizes.split(",")]
+        if not page_sizes or not all(1 <= x <= 16 and 16 % x == 0 for x in page_sizes):
+            raise ValueError
+    except ValueError:
+        parser.error(f"argument --page-sizes: must be divisors of 16, got {args.page_sizes!r}")
     info = machine()
 
     workload = sharegpt_workload(args.conversations)
     conversations = workload.conversations
-    config = SchedulerConfig(num_pages=args.num_pages, page_size=16, max_running=64)
-    runs = [res for res, _ in run_replays(conversations, config, args.repeats)]
-    peeks = [match for _, match in run_replays(conversations, config, args.repeats, peek=True)]
-    res = runs[0]
-    ample_pages = sum(
+    ample_tokens = sum(
         len(c.prefix) + sum(len(t.user) + len(t.replies[0]) for t in c.turns) for c in conversations
     )
-    ample = replay(conversations, SchedulerConfig(num_pages=ample_pages // 16 + 64, max_running=64))[1]
-    tokens_per_s, ns_per_page = hash_throughput(conversations, 16)
-    bytes_per_page = memory_per_page(16)
 
     def timing(name: str, values: list[float], target: str = "", digits: int = 1) -> tuple[str, ...]:
         return (name, f"{min(values):.{digits}f}", f"{statistics.median(values):.{digits}f}", target)
 
-    def us(metric: str) -> list[float]:
-        return [getattr(r, metric) for r in runs]
+    rows = []
+    res = None
+    for page_size in page_sizes:
+        num_pages = args.num_pages * 16 // page_size
+        config = SchedulerConfig(num_pages=num_pages, page_size=page_size, max_running=64)
+        runs = [r for r, _ in run_replays(conversations, config, args.repeats)]
+        peeks = [match for _, match in run_replays(conversations, config, args.repeats, peek=True)]
+        res = runs[0] if res is None else res
+        ample_config = SchedulerConfig(
+            num_pages=ample_tokens // page_size + 64 * 16 // page_size, page_size=page_size, max_running=64
+        )
+        ample = replay(conversations, ample_config)[1]
+        targets = TARGETS.get(page_size, {})
+        tokens_per_s, ns_per_page = hash_throughput(conversations, page_size)
+        per_seq, batched = batch_decode_us(page_size)
 
-    rows = [
-        timing(
-            "admission: open + allocate + commit, µs/request", us("admit_us"), f"≤ {TARGETS['admission']:.0f}"
-        ),
-        timing("  of which open, µs/request", us("open_us")),
-        timing("  of which allocate + commit of the uncached prompt, µs/request", us("prefill_us")),
-        timing("match, if a scheduler calls it before open, µs/request", peeks),
-        timing("decode: allocate(1) + commit([token]), µs/request/step", us("decode_us"), "≤ 1", 2),
-        timing("close, µs/request", us("close_us"), f"≤ {TARGETS['close']:.0f}"),
-        (
-            "block hashing (chained xxh3-64, 16-token pages), tokens/s",
-            f"{tokens_per_s / 1e6:.1f} M",
-            "",
-            f"{ns_per_page:.0f} ns/page",
-        ),
-        ("host memory per cached page (tracemalloc), bytes", f"{bytes_per_page:.0f}", "", ""),
-        (
-            f"hit rate, {args.num_pages} pages (best possible)",
-            f"{res.hit_rate:.2%}",
-            "",
-            f"({res.best_hit_rate:.2%})",
-        ),
-        (
-            f"hit rate, {ample_pages // 16 + 64} pages (best possible)",
-            f"{ample.hit_rate:.2%}",
-            "",
-            f"({ample.best_hit_rate:.2%})",
-        ),
-    ]
+        def us(metric: str, runs: list[ReplayResult] = runs) -> list[float]:
+            return [getattr(r, metric) for r in runs]
+
+        def target(name: str, targets: dict[str, float] = targets) -> str:
+            return f"≤ {targets[name]:g}" if name in targets else ""
+
+        p = f"page {page_size}: "
+        rows += [
+            timing(
+                p + "admission: open + allocate + commit, µs/request", us("admit_us"), target("admission")
+            ),
+            timing(p + "  of which open, µs/request", us("open_us")),
+            timing(p + "  of which allocate + commit of the uncached prompt, µs/request", us("prefill_us")),
+            timing(p + "match, if a scheduler calls it before open, µs/request", peeks),
+            timing(
+                p + "decode: allocate(1) + commit([token]), µs/request/step",
+                us("decode_us"),
+                target("decode"),
+                2,
+            ),
+            (
+                p + "decode, 64 sequences: per-sequence calls / batch calls, µs/request/step",
+                f"{per_seq:.2f} / {batched:.2f}",
+                "",
+                "allocate_batch + write_block_tables + commit_batch",
+            ),
+            timing(p + "close, µs/request", us("close_us"), target("close")),
+            (
+                p + f"block hashing (chained xxh3-64, {page_size}-token pages), tokens/s",
+                f"{tokens_per_s / 1e6:.1f} M",
+                "",
+                f"{ns_per_page:.0f} ns/page",
+            ),
+            (
+                p + "host memory per cached page (tracemalloc), bytes",
+                f"{memory_per_page(page_size):.0f}",
+                "",
+                "",
+            ),
+            (
+                p + f"hit rate, {num_pages} pages (best possible)",
+                f"{runs[0].hit_rate:.2%}",
+                "",
+                f"({runs[0].best_hit_rate:.2%})",
+            ),
+            (
+                p + f"hit rate, {ample_config.num_pages} pages (best possible)",
+                f"{ample.hit_rate:.2%}",
+                "",
+                f"({ample.best_hit_rate:.2%})",
+            ),
+        ]
     header = ("metric", f"best of {args.repeats}", "median", "target / note")
     width = max(len(r[0]) for r in rows)
     table = "\n".join(f"{r[0]:<{width}}  {r[1]:>10}  {r[2]:>8}  {r[3]}" for r in [header, *rows])
     workload_line = (
         f"{len(conversations)} ShareGPT conversations, {res.requests} requests, {res.prompt_tokens:,} prompt "
-        f"tokens, {res.decode_tokens:,} decode steps x running requests; {args.num_pages} pages x 16 tokens, "
-        f"64 running, 128 clients; {res.stats.evicted_pages:,} pages evicted; replay "
-        f"{statistics.median(us('wall_seconds')):.1f} s (median), tokenization {workload.load_seconds:.1f} s"
+        f"tokens, {res.decode_tokens:,} decode steps x running requests; {args.num_pages} pages x 16 tokens "
+        f"(the same tokens at other page sizes), 64 running, 128 clients; tokenization "
+        f"{workload.load_seconds:.1f} s"
     )
     print(workload_line)
     print(table)
-    print(f"for scale, not measured here: {OTHERS}")
+    peers_md: list[str] = []
+    if args.peers is None or not (args.peers / "replay.py").is_file():
+        print(f"peers: skipped (no replay harness at {args.peers}; see --peers)")
+        peers_md = ["Peers: not run (no `--peers` harness given or found)."]
+    elif not Path(args.peers_python).is_file():
+        print(f"peers: skipped (no interpreter {args.peers_python}: run the harness's setup.sh)")
+        peers_md = [f"Peers: not run (no interpreter `{args.peers_python}`)."]
+    else:
+        peer_header = ("pages", "peer", "hit rate", "admission µs/req", "decode µs/step/req", "finish µs/req")
+        peer_header += ("ours / theirs (admission / decode / finish)",)
+        peer_table = []
+        for pages in ("ample", "0.25"):
+            peer_table += peer_rows(run_peers(args.peers, args.peers_python, pages), pages)
+        for row in [peer_header, *peer_table]:
+            print("  ".join(row))
+        peers_md = [
+            f"Peers, side by side in this run: the harness `{args.peers}/replay.py --trace sharegpt` (its "
+            "own ShareGPT trace, scheduler and timers, identical for every peer; `prefix_cache` is this "
+            "checkout at page 16, `prefix_cache1` at page 1 with 16x the pages; `sglang` is SGLang's "
+            "`RadixCache` at page 16, `sglang1` at page 1; `vllm` is vLLM's `KVCacheManager`). Pages: "
+            "`ample` never evicts, `0.25` is a quarter of the working set. Ratios compare ours at the "
+            "same page size.",
+            "",
+            f"| {' | '.join(peer_header)} |",
+            "|---|---|---|---:|---:|---:|---|",
+            *(f"| {' | '.join(r)} |" for r in peer_table),
+        ]
     profile = profile_replay(conversations, config) if args.profile else ""
     if profile:
         print(profile)
@@ -309,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
         "|---|---:|---:|---|",
         *(f"| {' | '.join(r).strip()} |" for r in rows),
         "",
-        f"For scale (measured elsewhere, not by us): {OTHERS}.",
+        *peers_md,
     ]
     if profile:
         md += [

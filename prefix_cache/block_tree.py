@@ -51,7 +51,7 @@ class Node:
     children: when there are two or more such nodes, they by their ``tokens``; else None.
     page: page id in the KV pool, -1 for a root.
     root: the root of the node's namespace (a root's is itself).
-    tokens: the page's tokens as int32 bytes.
+    tokens: the page's identity bytes: its tokens as int32 bytes, then its extra keys if any.
     ref: live sequences holding this node (for a root: live sequences in its namespace).
     tick: when the node was last released, for LRU order.
     lru_serial: where it waits as an eviction candidate: 0 in ``BlockTree.recent``, > 0 the serial
@@ -109,8 +109,8 @@ class BlockTree:
 
     def __init__(self, hash_fn: HashFn) -> None:
         self.hash_fn = hash_fn
-        # Keys from a caller's hash function are checked; the default's need not be.
-        self._check_keys = hash_fn is not default_hash_fn
+        #: Keys from a caller's hash function are checked; the default's need not be.
+        self.check_keys = hash_fn is not default_hash_fn
         self.roots: dict[Namespace, Root] = {}
         #: Bumped whenever a node is added or removed, so a match result can be reused while the
         #: tree is unchanged.
@@ -237,24 +237,23 @@ class BlockTree:
             self.older = [entry for entry in older if entry[2].lru_serial == entry[1]]
             heapq.heapify(self.older)
 
-    def new_keys(self, parent: Node, data: bytes, start: int, page_bytes: int, count: int) -> list[int]:
-        """The keys of up to ``count`` new pages to cache as a chain below ``parent``, stopping
-        before the first whose key is already taken in the namespace (a hash collision: keys
-        name blocks in events, so they stay unique). Changes nothing, so a hash function that
-        raises or returns a bad key leaves the tree as it was.
+    def new_keys(self, parent: Node, chunks: list[bytes]) -> list[int]:
+        """The keys of new pages (``chunks``: their identity bytes) to cache as a chain below
+        ``parent``, stopping before the first whose key is already taken in the namespace (a
+        hash collision: keys name blocks in events, so they stay unique). Changes nothing, so a
+        hash function that raises or returns a bad key leaves the tree as it was.
 
-        data: int32 token bytes; page ``i`` holds ``data[start + i * page_bytes:][:page_bytes]``.
         Raises TypeError or ValueError when the hash function returns something other than an
         int in ``[0, 2**64)``; whatever the hash function itself raises propagates.
         """
         hash_fn = self.hash_fn
         index = parent.root.index
-        check = self._check_keys
+        check = self.check_keys
         keys: list[int] = []
         append = keys.append
         key = parent.key
-        for first in range(start, start + count * page_bytes, page_bytes):
-            key = hash_fn(data[first : first + page_bytes], key)
+        for chunk in chunks:
+            key = hash_fn(chunk, key)
             if check:
                 check_key(key)
             if key in index:
@@ -263,33 +262,35 @@ class BlockTree:
         return keys
 
     def extend(
-        self, parent: Node, data: bytes, start: int, page_bytes: int, pages: list[int], keys: list[int]
+        self, parent: Node, chunks: list[bytes], pages: list[int], keys: list[int] | None
     ) -> list[Node]:
-        """Cache ``pages`` as a chain of new nodes below ``parent`` under ``keys`` (from
-        ``new_keys``, one per page), each held once by the caller. Returns the new nodes: all pages, or fewer
-        when a key repeats within the chain (only a colliding hash function does that).
+        """Cache ``pages`` (identity bytes ``chunks``) as a chain of new nodes below ``parent``,
+        each held once by the caller, under ``keys`` (from ``new_keys``, one per page) or, when
+        None, keys computed here with the hash function (which must not fail: the default).
+        Returns the new nodes: all pages, or fewer when a key is taken (a collision) or repeats
+        within the chain.
 
-        parent: held or a root, without a child holding the first page's tokens (so a later page
-            cannot have a cached twin either: its parent is new).
-        data: int32 token bytes; page ``i`` holds ``data[start + i * page_bytes:][:page_bytes]``.
+        parent: held or a root, without a child holding the first page's identity (so a later
+            page cannot have a cached twin either: its parent is new).
         """
         root = parent.root
         index = root.index
+        hash_fn = self.hash_fn
         nodes: list[Node] = []
         append = nodes.append
-        first = start
-        for page, key in zip(pages, keys, strict=True):
+        key = parent.key
+        for i, page in enumerate(pages):
+            chunk = chunks[i]
+            key = hash_fn(chunk, key) if keys is None else keys[i]
             if key in index:
                 break
-            chunk = data[start : start + page_bytes]
             node = Node(key, parent, page, chunk, root)
-            if start != first:
+            if i:
                 parent.child = node  # a new node has no other child
             elif parent.child is None and parent.children is None:
                 parent.child = node
             else:
                 _add_child(parent, node)
-            start += page_bytes
             index[key] = node
             append(node)
             parent = node
@@ -297,6 +298,32 @@ class BlockTree:
             self.num_nodes += len(nodes)
             self.version += 1
         return nodes
+
+    def match_chunks(self, root: Root, chunks: list[bytes]) -> list[Node]:
+        """The nodes of the longest cached prefix whose pages have identity bytes ``chunks`` (a
+        prompt with extra keys)."""
+        nodes: list[Node] = []
+        node: Node = root
+        for chunk in chunks:
+            child = node.child_with(chunk)
+            if child is None:
+                break
+            nodes.append(child)
+            node = child
+        return nodes
+
+    def add(self, parent: Node, key: int, page: int, tokens: bytes) -> Node:
+        """``extend`` for one page whose ``key`` is not taken (the decode path)."""
+        root = parent.root
+        node = Node(key, parent, page, tokens, root)
+        if parent.child is None and parent.children is None:
+            parent.child = node
+        else:
+            _add_child(parent, node)
+        root.index[key] = node
+        self.num_nodes += 1
+        self.version += 1
+        return node
 
     def evict(self, count: int) -> list[Node]:
         """Remove up to ``count`` nodes from the tree, least recently released unreferenced leaf

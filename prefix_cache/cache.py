@@ -10,7 +10,15 @@ import numpy as np
 
 from prefix_cache.block_tree import BlockTree, Node, Root, check_key
 from prefix_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
-from prefix_cache.hashing import HashFn, Namespace, check_namespace, default_hash_fn, namespace_seed
+from prefix_cache.hashing import (
+    ExtraKey,
+    HashFn,
+    Namespace,
+    check_namespace,
+    default_hash_fn,
+    namespace_seed,
+    page_extras,
+)
 from prefix_cache.page_pool import PagePool
 from prefix_cache.sequence import Sequence
 from prefix_cache.stats import CacheStats
@@ -58,6 +66,7 @@ class _PendingStored(NamedTuple):
     parent_block_hash: int | None
     token_bytes: bytes
     namespace: Namespace
+    extras: list[bytes | None] | None = None
 
 
 def _check_int(name: str, value: object, low: int, high: int | None = None) -> int:
@@ -139,6 +148,8 @@ class PrefixCache:
         # Set when the backlog overflowed ``max_events``: the next drain resynchronises.
         self._events_overflowed = False
         self._live: set[Sequence] = set()
+        # id(buffer) -> (buffer, per row: (sequence, rollbacks, entries)), see write_block_tables.
+        self._tables: dict[int, tuple[np.ndarray, list[tuple[Sequence, int, int] | None]]] = {}
         # Held (never waited on) by every call that touches shared state, see the class docstring.
         self._lock = threading.Lock()
         # (root, tree version, prompt bytes, nodes) of the last walk, see _match.
@@ -206,60 +217,87 @@ class PrefixCache:
 
     # ------------------------------------------------------------------ engine API
 
-    def match(self, tokens: object, namespace: Namespace = None) -> int:
-        """Length in tokens of the cached prefix ``open(tokens, namespace)`` would lock now: whole
-        pages, at most ``len(tokens) - 1``. Changes nothing (LRU order and statistics included)."""
+    def match(
+        self, tokens: object, namespace: Namespace = None, *, extra_keys: list[ExtraKey] | None = None
+    ) -> int:
+        """Length in tokens of the cached prefix ``open(tokens, namespace, extra_keys=...)`` would
+        lock now: whole pages, at most ``len(tokens) - 1``. Changes nothing (LRU order and
+        statistics included)."""
         arr = as_token_array(tokens)
         check_namespace(namespace)
+        extras = page_extras(extra_keys, len(arr), self._page_size)
         if not self._lock.acquire(False):
             self._concurrent()
         try:
             root = self._tree.roots.get(namespace)
             if root is None:
                 return 0
-            return len(self._match(root, arr, None)) * self._page_size
+            return len(self._match(root, arr, None, extras)) * self._page_size
         finally:
             self._lock.release()
 
-    def open(self, tokens: object, namespace: Namespace = None) -> Sequence:
+    def open(
+        self, tokens: object, namespace: Namespace = None, *, extra_keys: list[ExtraKey] | None = None
+    ) -> Sequence:
         """Start a sequence for the prompt ``tokens`` (1-D ints) and lock its longest cached prefix.
 
         The sequence starts with ``num_tokens == num_allocated_tokens == num_cached_tokens`` and a
         block table of the cached pages; the engine then allocates and commits
         ``tokens[seq.num_cached_tokens:]``.
+
+        extra_keys: ``(start, end, key)`` entries: ``key`` (bytes, str or an int in
+            ``[0, 2**64)``, an image's content hash, say) is part of the identity of every page
+            holding a token of ``start <= t < end``, so prompts with equal tokens but different
+            keys share no page from the first page a key covers on (see ``prefix_cache.hashing``).
         """
         arr = as_token_array(tokens)
         check_namespace(namespace)
-        page_size = self._page_size
-        prompt_pages = -(-len(arr) // page_size)
+        extras = page_extras(extra_keys, len(arr), self._page_size)
         # Everything that allocates comes before the first change, so a MemoryError changes nothing.
-        capacity = prompt_pages + _DECODE_HEADROOM_PAGES
-        seq = Sequence(self, self._next_seq_id, namespace, None, capacity, page_size)
+        seq = self._new_sequence(arr, namespace, 0)
         if not self._lock.acquire(False):
             self._concurrent()
         try:
-            live = self._live
-            live.add(seq)
-            try:
-                root = self._tree.root(namespace)
-            except BaseException:
-                live.discard(seq)
-                raise
-            self._next_seq_id += 1
-            seq._root = root
-            root.ref += 1
-            nodes = self._match(root, arr, memoryview(seq._pages))
-            seq._nodes = nodes
-            num_cached = len(nodes) * page_size
-            if nodes:
-                seq._num_pages = len(nodes)
-                seq._capacity = num_cached
-                seq._tokens[:num_cached] = arr[:num_cached]
-            seq._num_tokens = seq._num_allocated = seq._num_cached_tokens = num_cached
-            seq._num_full_pages = len(nodes)
-            self._opened += 1
-            self._query_tokens += len(arr)
-            self._hit_tokens += num_cached
+            self._open(seq, arr, namespace, extras)
+            return seq
+        finally:
+            self._lock.release()
+
+    def admit(
+        self,
+        tokens: object,
+        namespace: Namespace = None,
+        *,
+        extra_tokens: int = 0,
+        extra_keys: list[ExtraKey] | None = None,
+    ) -> Sequence:
+        """``open`` the prompt and ``allocate`` slots for its uncached tokens plus ``extra_tokens``
+        (say 1 for the first decode step), all or nothing: when the pool cannot supply the pages
+        even by evicting, raises ``OutOfPages`` and changes nothing at all (no LRU stamp, no
+        statistics), so a scheduler can try a request and move on. Pages of the cached prefix that
+        are evictable now count as taken, since admitting locks them.
+        """
+        arr = as_token_array(tokens)
+        check_namespace(namespace)
+        extra_tokens = _check_int("extra_tokens", extra_tokens, 0)
+        extras = page_extras(extra_keys, len(arr), self._page_size)
+        seq = self._new_sequence(arr, namespace, extra_tokens)
+        if not self._lock.acquire(False):
+            self._concurrent()
+        try:
+            tree = self._tree
+            root = tree.roots.get(namespace)
+            nodes = self._match(root, arr, None, extras) if root is not None else []
+            needed = -(-(len(arr) + extra_tokens) // self._page_size) - len(nodes)
+            # Refs never grow down a path, so the matched pages nobody holds are its last ones.
+            locked = 0
+            while locked < len(nodes) and nodes[-1 - locked].ref == 0:
+                locked += 1
+            available = len(self._pool.free) + tree.num_unreferenced - locked
+            if needed > available:
+                raise OutOfPages(needed, available)
+            self._open(seq, arr, namespace, extras)
+            self._allocate_pages(seq, len(arr) + extra_tokens)
             return seq
         finally:
             self._lock.release()
@@ -330,7 +368,13 @@ class PrefixCache:
                 seq._tokens[n] = token
                 n += 1
                 if n % self._page_size == 0:
-                    self._store_locked(seq, n)
+                    lock = self._lock
+                    if not lock.acquire(False):
+                        self._concurrent()
+                    try:
+                        self._store_full_pages(seq, n)
+                    finally:
+                        lock.release()
                 seq._num_tokens = n
                 return
         arr = as_token_array(tokens)
@@ -346,6 +390,155 @@ class PrefixCache:
         if end // self._page_size > seq._num_full_pages:
             self._store_locked(seq, end)
         seq._num_tokens = end
+
+    def rollback(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back the reserved slots of ``seq`` past its first ``num_tokens`` tokens, and the
+        pages they leave empty (speculative decoding: the engine allocated slots for draft tokens,
+        wrote their KV, committed the accepted ones and rolls the rest back).
+
+        ``num_tokens`` lies in ``[seq.num_tokens, seq.num_allocated_tokens]``: committed tokens
+        cannot be rolled back, so commit only accepted tokens and a rejected token never reaches a
+        cached page. This is the only call that removes block table entries (those past
+        ``ceil(num_tokens / page_size)``) before ``close``; the engine must not read them again.
+        """
+        try:
+            owner = seq._owner
+        except AttributeError:
+            raise TypeError(f"expected a Sequence, got {type(seq).__name__}") from None
+        if owner is not self:
+            self._reject(seq)
+        num_tokens = _check_int("num_tokens", num_tokens, seq._num_tokens, seq._num_allocated)
+        if not self._lock.acquire(False):
+            self._concurrent()
+        try:
+            keep = -(-num_tokens // self._page_size)
+            if keep < seq._num_pages:
+                self._pool.put_many(seq._pages[keep : seq._num_pages].tolist())
+                seq._num_pages = keep
+                seq._capacity = keep * self._page_size
+                # Entries written by write_block_tables past ``keep`` are stale now.
+                seq._rollbacks += 1
+            seq._num_allocated = num_tokens
+        finally:
+            self._lock.release()
+
+    def allocate_batch(self, seqs: list[Sequence], num_tokens: int = 1) -> None:
+        """``allocate(seq, num_tokens)`` for each of ``seqs`` (the decode step: one slot each), all
+        or nothing: raises ``OutOfPages`` and changes nothing when the pages for all of them cannot
+        be supplied."""
+        if type(num_tokens) is not int or num_tokens < 0:
+            num_tokens = _check_int("num_tokens", num_tokens, 0)
+        self._check_batch(seqs)
+        short = [seq for seq in seqs if seq._num_allocated + num_tokens > seq._capacity]
+        if not short:
+            for seq in seqs:
+                seq._num_allocated += num_tokens
+            return
+        page_size = self._page_size
+        needed = sum(-(-(seq._num_allocated + num_tokens) // page_size) - seq._num_pages for seq in short)
+        if not self._lock.acquire(False):
+            self._concurrent()
+        try:
+            available = len(self._pool.free) + self._tree.num_unreferenced
+            if needed > available:
+                raise OutOfPages(needed, available)
+            for seq in short:
+                pages = -(-(seq._num_allocated + num_tokens) // page_size)
+                if pages > len(seq._pages):
+                    seq._grow(pages, page_size)  # before any page is taken
+            for seq in seqs:
+                end = seq._num_allocated + num_tokens
+                if end <= seq._capacity:
+                    seq._num_allocated = end
+                else:
+                    self._allocate_pages(seq, end)
+        finally:
+            self._lock.release()
+
+    def commit_batch(self, seqs: list[Sequence], tokens: object) -> None:
+        """``commit(seq, [token])`` for each of ``seqs`` and the matching entry of ``tokens`` (1-D,
+        one token per sequence): the decode step's commit. Every sequence must have a reserved
+        slot; checked for all before any is committed (ValueError, nothing changed). An error of a
+        caller's ``hash_fn`` leaves the sequences before the failing one committed."""
+        arr = as_token_array(tokens)
+        if len(arr) != len(seqs):
+            raise ValueError(f"tokens has {len(arr)} entries for {len(seqs)} sequences")
+        self._check_batch(seqs)
+        if not all(seq._num_tokens < seq._num_allocated for seq in seqs):
+            seq = next(seq for seq in seqs if seq._num_tokens >= seq._num_allocated)
+            raise ValueError(f"cannot commit: sequence {seq._id} has no reserved slot (allocate first)")
+        page_size = self._page_size
+        for seq, token in zip(seqs, arr.tolist(), strict=True):
+            n = seq._num_tokens
+            seq._tokens[n] = token
+            n += 1
+            if n % page_size == 0:
+                self._store_locked(seq, n)
+            seq._num_tokens = n
+
+    def write_block_tables(self, seqs: list[Sequence], out: np.ndarray, rows: object = None) -> int:
+        """Write the block tables of ``seqs`` into rows of ``out``, an int32 array
+        ``[max_requests, max_pages]`` the caller keeps between steps (row ``rows[i]`` for
+        ``seqs[i]``; ``rows`` defaults to ``0 .. len(seqs) - 1``). Block tables are append-only,
+        so only the entries added since the last write to the same row of the same buffer are
+        written, and rows without new entries are not touched. Entries past a sequence's
+        ``len(block_table)`` are left as they were. Returns the number of entries written. An
+        error (a row out of range, a table longer than a row) leaves the rows before it written.
+        """
+        if not isinstance(out, np.ndarray) or out.dtype != _INT32 or out.ndim != 2:
+            raise TypeError("out must be a 2-D int32 numpy array [max_requests, max_pages]")
+        if not out.flags.writeable:
+            raise ValueError("out must be writeable")
+        self._check_batch(seqs)
+        if rows is None:
+            row_ids: object = range(len(seqs))
+        else:
+            row_ids = [_check_int("rows", row, 0) for row in rows]
+            if len(row_ids) != len(seqs):
+                raise ValueError(f"rows has {len(row_ids)} entries for {len(seqs)} sequences")
+        max_rows, max_pages = out.shape
+        # Per buffer and row: (sequence, its rollbacks, entries) of the last write there. The
+        # buffer itself is kept, so its id cannot be reused by another array.
+        table = self._tables.get(id(out))
+        if table is None or table[0] is not out:
+            table = self._tables[id(out)] = (out, [None] * max_rows)
+        marks = table[1]
+        if len(marks) < max_rows:
+            marks += [None] * (max_rows - len(marks))
+        written = 0
+        # Rows are checked as they come: an error leaves the rows before it written and recorded.
+        for seq, row in zip(seqs, row_ids, strict=True):
+            if row >= max_rows:
+                raise ValueError(f"rows entry {row} is past out's {max_rows} rows")
+            end = seq._num_pages
+            mark = marks[row]
+            if mark is not None and mark[0] is seq and mark[1] == seq._rollbacks:
+                start = mark[2]
+                if start == end:
+                    continue  # unchanged: not touched
+            else:
+                start = 0
+            if end > max_pages:
+                raise ValueError(f"sequence {seq._id} has {end} pages, out has room for {max_pages}")
+            out[row, start:end] = seq._pages[start:end]
+            written += end - start
+            marks[row] = (seq, seq._rollbacks, end)
+        return written
+
+    def _check_batch(self, seqs: object) -> None:
+        """Raise unless ``seqs`` is a list or tuple of distinct open sequences of this cache."""
+        if not isinstance(seqs, (list, tuple)):
+            raise TypeError(f"seqs must be a list of Sequence, got {type(seqs).__name__}")
+        try:
+            owned = all(seq._owner is self for seq in seqs)
+        except AttributeError:
+            owned = False
+        if not owned:
+            for seq in seqs:
+                if getattr(seq, "_owner", None) is not self:
+                    self._reject(seq)
+        if len(set(seqs)) != len(seqs):
+            raise ValueError("seqs lists a sequence twice")
 
     def close(self, seq: Sequence) -> None:
         """Release ``seq``: its cached pages stay cached (evictable once no other sequence holds
@@ -366,7 +559,7 @@ class PrefixCache:
             pool.put_many(seq._pages[len(seq._nodes) : seq._num_pages].tolist())
             if seq._dups:
                 pool.put_many(seq._dups)
-                seq._dups = []
+                seq._dups = ()
             tree.release_root(seq._root)
             seq._owner = None
             seq._nodes = []
@@ -438,6 +631,7 @@ class PrefixCache:
                 token_ids=np.frombuffer(event.token_bytes, dtype=np.int32).tolist(),
                 block_size=page_size,
                 namespace=event.namespace,
+                extra_keys=event.extras,
             )
             if type(event) is _PendingStored
             else event
@@ -487,28 +681,79 @@ class PrefixCache:
                     while head.child is not None:
                         head = head.child
                         chain.append(head)
+                    page_bytes = 4 * page_size
+                    extras = [n.tokens[page_bytes:] or None for n in chain]
+                    tokens = b"".join(n.tokens[:page_bytes] for n in chain)
                     events.append(
                         BlockStored(
                             block_hashes=[n.key for n in chain],
                             parent_block_hash=None if node is root else node.key,
-                            token_ids=np.frombuffer(b"".join(n.tokens for n in chain), np.int32).tolist(),
+                            token_ids=np.frombuffer(tokens, np.int32).tolist(),
                             block_size=page_size,
                             namespace=root.namespace,
+                            extra_keys=extras if any(extras) else None,
                         )
                     )
                     if head.children is not None:
                         stack.append(head)
         return events
 
-    def _match(self, root: Root, arr: np.ndarray, table: memoryview | None) -> list[Node]:
-        """Nodes of the longest cached prefix of ``arr`` under ``root``, never covering the last
-        token (the engine needs its logits). With a ``table`` (a new sequence's block table) each
-        node gets one more reference and its page id is written to the table."""
+    def _new_sequence(self, arr: np.ndarray, namespace: Namespace, extra_tokens: int) -> Sequence:
+        """A sequence for the prompt ``arr``, not yet open, with buffer room for the prompt, the
+        ``extra_tokens`` after it, and some decode headroom."""
+        page_size = self._page_size
+        capacity = -(-(len(arr) + extra_tokens) // page_size) + _DECODE_HEADROOM_PAGES
+        return Sequence(self, self._next_seq_id, namespace, None, capacity, page_size)
+
+    def _open(self, seq: Sequence, arr: np.ndarray, namespace: Namespace, extras: dict[int, bytes]) -> None:
+        """The work of ``open`` on a new sequence, under the lock."""
+        live = self._live
+        live.add(seq)
+        try:
+            root = self._tree.root(namespace)
+        except BaseException:
+            live.discard(seq)
+            raise
+        self._next_seq_id += 1
+        seq._root = root
+        if extras:
+            seq._extras = extras
+        root.ref += 1
+        nodes = self._match(root, arr, memoryview(seq._pages), extras)
+        seq._nodes = nodes
+        page_size = self._page_size
+        num_cached = len(nodes) * page_size
+        if nodes:
+            seq._num_pages = len(nodes)
+            seq._capacity = num_cached
+            seq._tokens[:num_cached] = arr[:num_cached]
+        seq._num_tokens = seq._num_allocated = seq._num_cached_tokens = num_cached
+        seq._num_full_pages = len(nodes)
+        self._opened += 1
+        self._query_tokens += len(arr)
+        self._hit_tokens += num_cached
+
+    def _match(
+        self, root: Root, arr: np.ndarray, table: memoryview | None, extras: dict[int, bytes]
+    ) -> list[Node]:
+        """Nodes of the longest cached prefix of ``arr`` (with the pages' ``extras``) under
+        ``root``, never covering the last token (the engine needs its logits). With a ``table``
+        (a new sequence's block table) each node gets one more reference and its page id is
+        written to the table."""
         if root.is_leaf or len(arr) <= self._page_size:
             return []
         tree = self._tree
         num_pages = (len(arr) - 1) // self._page_size
         data = arr.tobytes()
+        if extras:
+            pb = 4 * self._page_size
+            chunks = [data[i * pb : (i + 1) * pb] + extras.get(i, b"") for i in range(num_pages)]
+            nodes = tree.match_chunks(root, chunks)
+            if table is not None:
+                tree.acquire(nodes)
+                for i, node in enumerate(nodes):
+                    table[i] = node.page
+            return nodes
         # Engines call match and then open with the same prompt: reuse the walk while the tree
         # is unchanged (one memcmp of the prompt instead of a lookup per page).
         last = self._last_match
@@ -574,30 +819,71 @@ class PrefixCache:
         parent: Node = nodes[-1] if nodes else seq._root
         page_bytes = 4 * page_size
         data = seq._tokens[first * page_size : full * page_size].tobytes()
+        seq_extras = seq._extras
+        if full == first + 1:
+            # One page (the decode path): the general code below, unrolled.
+            extra = seq_extras.get(first) if seq_extras else None
+            if extra:
+                data += extra
+            twin = parent.child
+            if twin is None:
+                if parent.children is not None:
+                    twin = parent.children.get(data)
+            elif twin.tokens != data:
+                twin = None
+            if twin is None:
+                key = tree.hash_fn(data, parent.key)
+                if tree.check_keys:
+                    check_key(key)
+                seq._num_full_pages = full
+                if key in seq._root.index:
+                    seq._broken = True
+                    self._collision_pages += 1
+                    return
+                nodes.append(tree.add(parent, key, int(seq._pages[first]), data))
+                self._stored_pages += 1
+                if self._record_events:
+                    parent_key = None if parent is seq._root else parent.key
+                    if extra:
+                        event = _PendingStored([key], parent_key, data[:page_bytes], seq._namespace, [extra])
+                    else:
+                        event = _PendingStored([key], parent_key, data, seq._namespace)
+                    self._emit(event)
+                return
+            seq._num_full_pages = full
+            tree.acquire([twin])
+            nodes.append(twin)
+            seq._dups = [*seq._dups, int(seq._pages[first])]
+            self._duplicate_pages += 1
+            return
+        # Identity bytes of each page: its tokens, then its extra keys (prompt pages only).
+        chunks = [data[start : start + page_bytes] for start in range(0, len(data), page_bytes)]
+        if seq_extras:
+            chunks = [chunk + seq_extras.get(first + i, b"") for i, chunk in enumerate(chunks)]
         # Cached twins, computed concurrently by other sequences.
         twins: list[Node] = []
-        start = 0
-        for _ in range(first, full):
-            node = parent.child_with(data[start : start + page_bytes])
+        for chunk in chunks:
+            node = parent.child_with(chunk)
             if node is None:
                 break
             twins.append(node)
             parent = node
-            start += page_bytes
         index = first + len(twins)
-        keys = tree.new_keys(parent, data, start, page_bytes, full - index) if index < full else []
+        new = chunks[len(twins) :]
+        # A caller's hash function may fail: its keys are computed before anything changes. The
+        # default cannot, and computes them as the nodes are made.
+        keys = tree.new_keys(parent, new) if tree.check_keys else None
         # From here on nothing can fail.
         seq._num_full_pages = full
         if twins:
             tree.acquire(twins)
             nodes += twins
-            seq._dups += seq._pages[first:index].tolist()
+            seq._dups = [*seq._dups, *seq._pages[first:index].tolist()]
             self._duplicate_pages += len(twins)
         if index == full:
             return
-        stored = tree.extend(
-            parent, data, start, page_bytes, seq._pages[index : index + len(keys)].tolist(), keys
-        )
+        end = full if keys is None else index + len(keys)
+        stored = tree.extend(parent, new, seq._pages[index:end].tolist(), keys)
         nodes += stored
         self._stored_pages += len(stored)
         if index + len(stored) < full:
@@ -607,12 +893,17 @@ class PrefixCache:
             self._collision_pages += full - index - len(stored)
         if stored and self._record_events:
             # Turned into a BlockStored by drain_events, off the per-step path.
+            stored_chunks = new[: len(stored)]
+            extras = [chunk[page_bytes:] or None for chunk in stored_chunks] if seq_extras else None
             self._emit(
                 _PendingStored(
                     [node.key for node in stored],
                     None if parent is seq._root else parent.key,
-                    data[start : start + len(stored) * page_bytes],
+                    b"".join(chunk[:page_bytes] for chunk in stored_chunks)
+                    if seq_extras
+                    else data[len(twins) * page_bytes : (len(twins) + len(stored)) * page_bytes],
                     seq._namespace,
+                    extras if extras and any(extras) else None,
                 )
             )
 
@@ -714,7 +1005,7 @@ class _Checker:
                     self.fail(f"page {node.page}: indexed under the wrong key or namespace")
                 if parent is not root and root.index.get(parent.key) is not parent:
                     self.fail(f"page {node.page}: its parent is not in its namespace's tree")
-                if len(node.tokens) != 4 * self.cache._page_size:
+                if len(node.tokens) < 4 * self.cache._page_size:
                     self.fail(f"page {node.page}: stores {len(node.tokens)} bytes of tokens")
                 if tree.hash_fn(node.tokens, parent.key) != key:
                     self.fail(f"page {node.page}: key is not the hash of its tokens")
@@ -779,6 +1070,8 @@ class _Checker:
                     dups.remove(page)
                     self.book(page, f"private copy of {name}")
                 tokens = seq._tokens[index * page_size : (index + 1) * page_size].tobytes()
+                if seq._extras:
+                    tokens += seq._extras.get(index, b"")
                 if tokens != node.tokens:
                     self.fail(f"{name}: page {index} tokens differ from the cached page's")
                 expected_ref[id(node)] = expected_ref.get(id(node), 0) + 1

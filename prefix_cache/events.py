@@ -22,6 +22,8 @@ class BlockStored:
     token_ids: the pages' tokens, ``len(block_hashes) * block_size`` ids.
     block_size: tokens per page.
     namespace: the namespace the pages are cached under.
+    extra_keys: per page, the extra identity bytes that follow its tokens in its hash (see
+        ``prefix_cache.hashing``), None for a page without; None when no page has any.
     """
 
     block_hashes: list[int]
@@ -29,6 +31,7 @@ class BlockStored:
     token_ids: list[int]
     block_size: int
     namespace: Namespace = None
+    extra_keys: list[bytes | None] | None = None
 
 
 @dataclass(frozen=True, slots=True)

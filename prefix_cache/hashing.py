@@ -6,11 +6,18 @@ the key of the page before it, or the namespace seed for the first page. Equal k
 "probably the same tokens after the same preceding tokens in the same namespace"; the block tree
 still compares the stored tokens before it reuses a page, so a collision costs a cache miss, never
 wrong KV.
+
+Extra keys (an image's content hash over its placeholder tokens, say) are part of a page's
+identity: ``page_token_bytes`` is then followed by, for each extra key whose token range overlaps
+the page, in the order given, the key's length as a 4-byte little-endian unsigned int and the
+key's bytes (a str is UTF-8 encoded, an int in ``[0, 2**64)`` is 8 little-endian bytes). The block
+key is the hash of those identity bytes, so a router recomputes it as
+``xxh3_64(page_tokens_int32_le + extras, seed=parent_key)``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from xxhash import xxh3_64_intdigest
 
@@ -50,3 +57,37 @@ def namespace_seed(namespace: Namespace) -> int:
     else:
         payload = str(namespace).encode("ascii")
     return xxh3_64_intdigest(b"prefix-cache:" + _NAMESPACE_TAGS[type(namespace)] + b":" + payload)
+
+
+#: An extra key over a token range: ``(start, end, key)``, tokens ``start <= t < end``.
+ExtraKey = tuple[int, int, "bytes | str | int"]
+
+
+def page_extras(extra_keys: Iterable[ExtraKey] | None, num_tokens: int, page_size: int) -> dict[int, bytes]:
+    """The extra identity bytes of each page that an extra key overlaps (see the module
+    docstring), by page index. Raises TypeError / ValueError naming ``extra_keys`` for bad input."""
+    if extra_keys is None:
+        return {}
+    if isinstance(extra_keys, (str, bytes)) or not isinstance(extra_keys, Iterable):
+        raise TypeError(f"extra_keys must be a list of (start, end, key), got {type(extra_keys).__name__}")
+    extras: dict[int, bytes] = {}
+    for item in extra_keys:
+        if not isinstance(item, tuple) or len(item) != 3:
+            raise TypeError(f"extra_keys entries must be (start, end, key) tuples, got {item!r}")
+        start, end, key = item
+        if type(start) is not int or type(end) is not int or not 0 <= start < end <= num_tokens:
+            raise ValueError(
+                f"extra_keys range ({start!r}, {end!r}) must be ints with 0 <= start < end <= {num_tokens}"
+            )
+        if type(key) is bytes:
+            raw = key
+        elif type(key) is str:
+            raw = key.encode("utf-8", "surrogatepass")
+        elif type(key) is int and 0 <= key < 2**64:
+            raw = key.to_bytes(8, "little")
+        else:
+            raise TypeError(f"extra_keys key must be bytes, str or an int in [0, 2**64), got {key!r}")
+        encoded = len(raw).to_bytes(4, "little") + raw
+        for page in range(start // page_size, (end - 1) // page_size + 1):
+            extras[page] = extras.get(page, b"") + encoded
+    return extras

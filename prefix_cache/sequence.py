@@ -30,6 +30,7 @@ class Sequence:
         "_cache",
         "_capacity",
         "_dups",
+        "_extras",
         "_id",
         "_namespace",
         "_nodes",
@@ -41,6 +42,7 @@ class Sequence:
         "_owner",
         "_pages",
         "_pages_view",
+        "_rollbacks",
         "_root",
         "_tokens",
         "_tokens_view",
@@ -65,9 +67,9 @@ class Sequence:
         # Committed tokens; capacity is always a whole number of pages, at least the allocated ones.
         self._tokens = np.empty(capacity_pages * page_size, dtype=np.int32)
         self._pages = np.empty(capacity_pages, dtype=np.int32)
-        # Read-only views of the buffers: what ``tokens`` and ``block_table`` slice.
-        self._tokens_view = _read_only(self._tokens)
-        self._pages_view = _read_only(self._pages)
+        # Read-only views of the buffers that ``tokens`` and ``block_table`` slice, made on first use.
+        self._tokens_view: np.ndarray | None = None
+        self._pages_view: np.ndarray | None = None
         self._num_pages = 0
         self._num_tokens = 0
         self._num_allocated = 0
@@ -78,11 +80,15 @@ class Sequence:
         self._nodes: list[Node] = []
         # Private pages among the first ``len(_nodes)``: this sequence's copies of blocks another
         # sequence cached first. Freed at close.
-        self._dups: list[int] = []
+        self._dups: list[int] | tuple[()] = ()
         # Full pages already offered to the tree (cached, switched to a duplicate, or left private).
         self._num_full_pages = 0
         # Set after a hash collision: no later page can be cached under a page that is not.
         self._broken = False
+        # Extra identity bytes of prompt pages, by page index (None without extra keys).
+        self._extras: dict[int, bytes] | None = None
+        # Rollbacks that removed pages: block table entries written out before one are stale.
+        self._rollbacks = 0
 
     def __copy__(self) -> Sequence:
         raise TypeError("a Sequence cannot be copied: its pages would be released twice")
@@ -113,14 +119,12 @@ class Sequence:
         size = max(num_pages, 2 * len(self._pages))
         grown_pages = np.empty(size, dtype=np.int32)
         grown_tokens = np.empty(size * page_size, dtype=np.int32)
-        pages_view = _read_only(grown_pages)
-        tokens_view = _read_only(grown_tokens)
         grown_pages[: self._num_pages] = self._pages[: self._num_pages]
         grown_tokens[: self._num_tokens] = self._tokens[: self._num_tokens]
         self._pages = grown_pages
         self._tokens = grown_tokens
-        self._pages_view = pages_view
-        self._tokens_view = tokens_view
+        self._pages_view = None
+        self._tokens_view = None
 
     @property
     def seq_id(self) -> int:
@@ -158,13 +162,19 @@ class Sequence:
         an entry, once there, never changes while the sequence is open (``allocate`` only appends
         and may move the buffer, so re-read the property for the new entries); empty once the
         sequence is closed."""
-        return self._pages_view[: self._num_pages]
+        view = self._pages_view
+        if view is None:
+            view = self._pages_view = _read_only(self._pages)
+        return view[: self._num_pages]
 
     @property
     def tokens(self) -> np.ndarray:
         """The committed token ids, int32 ``[num_tokens]`` (a read-only view, like
         ``block_table``)."""
-        return self._tokens_view[: self._num_tokens]
+        view = self._tokens_view
+        if view is None:
+            view = self._tokens_view = _read_only(self._tokens)
+        return view[: self._num_tokens]
 
     def __repr__(self) -> str:
         state = "closed" if self._owner is None else "open"

@@ -19,7 +19,8 @@ class CacheStats:
     stored_pages: full pages that became cached.
     duplicate_pages: full pages whose block was already cached (computed concurrently by another
         sequence); the sequence holds the cached page and keeps its own copy private until close.
-    collision_pages: full pages left uncached because a different block had the same hash.
+    collision_pages: full pages left uncached because a different block had the same hash: that
+        page and every later full page of its sequence (none can be cached under an uncached one).
     evicted_pages: cached pages dropped by eviction or ``reset``.
     num_pages, free_pages, cached_pages, evictable_pages: occupancy now; ``cached_pages`` counts the
         pages in the block tree, ``evictable_pages`` those of them no live sequence holds.

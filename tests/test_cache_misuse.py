@@ -14,7 +14,7 @@ import pytest
 from test_cache_helpers import chain_keys, run_prompt, snapshot
 
 import prefix_cache.sequence as sequence_module
-from prefix_cache.cache import ConcurrentUseError, PrefixCache
+from prefix_cache.cache import ConcurrentUseError, InvariantError, PrefixCache
 from prefix_cache.events import AllBlocksCleared, BlockRemoved, BlockStored
 from prefix_cache.hashing import default_hash_fn, namespace_seed
 from prefix_cache.page_pool import PagePool
@@ -308,3 +308,33 @@ def test_block_removed_names_its_namespace() -> None:
     key_a, key_b = chain_keys([1, 2], 2, "a")[0], chain_keys([1, 2], 2, "b")[0]
     assert cache.drain_events() == [BlockRemoved([key_a], "a"), BlockRemoved([key_b], "b")]
     assert key_a != key_b and namespace_seed("a") != namespace_seed("b")
+
+
+def _with_private_copy() -> tuple[PrefixCache, object]:
+    """A cache where sequence ``b`` holds a cached page and keeps its own copy of it."""
+    cache = PrefixCache(num_pages=16, page_size=2)
+    a = cache.open([1, 2, 3])
+    b = cache.open([1, 2, 3])
+    cache.allocate(a, 3)
+    cache.allocate(b, 3)
+    cache.commit(a, [1, 2, 3])
+    cache.commit(b, [1, 2, 3])
+    assert len(b._dups) == 1
+    cache.check_invariants()
+    return cache, b
+
+
+@pytest.mark.parametrize(
+    "corrupt",
+    [
+        lambda cache, b: b._dups.clear(),  # the copy is leaked
+        lambda cache, b: cache._pool.free.append(b._dups[0]),  # the copy is also free
+        lambda cache, b: b._tokens.__setitem__(0, 9),  # its tokens differ from the cached page's
+        lambda cache, b: b._dups.__setitem__(0, cache._pool.free[-1]),  # the record names another page
+    ],
+)
+def test_check_invariants_checks_private_copies(corrupt) -> None:
+    cache, b = _with_private_copy()
+    corrupt(cache, b)
+    with pytest.raises(InvariantError):
+        cache.check_invariants()

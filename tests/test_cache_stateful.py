@@ -47,6 +47,10 @@ PROMPT = {
     "suffix": TOKENS,
     "namespace": st.sampled_from(NAMESPACES),
     "kind": st.integers(0, 4),
+    # An image over a few prompt tokens (where it starts, its length, its content hash), or none.
+    "image": st.one_of(
+        st.none(), st.tuples(st.integers(0, 24), st.integers(1, 6), st.sampled_from([b"a", b"b"]))
+    ),
 }
 
 
@@ -59,6 +63,8 @@ class Live:
     held: list[tuple[int, ...]] = field(default_factory=list)  # cached prefixes it holds, in order
     broken: bool = False  # a page collided: it and all later ones stay private
     copies: int = 0  # held prefixes it computed itself after another sequence cached them
+    images: list = field(default_factory=list)  # its prompt's extra keys
+    extras: dict[int, bytes] = field(default_factory=dict)  # their identity bytes per page
 
 
 def as_container(tokens: list[int], kind: int):
@@ -81,7 +87,7 @@ class CacheMachine(RuleBasedStateMachine):
         return xxh3_64_intdigest(data, parent)
 
     @initialize(
-        page_size=st.integers(1, 8),
+        page_size=st.sampled_from([1, 2, 3, 5, 16]),
         tight=st.booleans(),
         pool=st.integers(1, 24),
         system=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=20),
@@ -106,11 +112,29 @@ class CacheMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ model helpers
 
-    def expected_match(self, tokens: list[int], namespace) -> int:
+    def page_extras(self, images: list) -> dict[int, bytes]:
+        """Extra identity bytes per page, as documented: length-prefixed keys, in order."""
+        extras: dict[int, bytes] = {}
+        for start, end, key in images:
+            for page in range(start // self.ps, (end - 1) // self.ps + 1):
+                extras[page] = extras.get(page, b"") + len(key).to_bytes(4, "little") + key
+        return extras
+
+    def ident(self, tokens: list[int], extras: dict[int, bytes]) -> tuple:
+        """Tokens as a prefix of the model: each token with its page's extra identity bytes."""
+        return tuple((t, extras.get(i // self.ps, b"")) for i, t in enumerate(tokens))
+
+    @staticmethod
+    def page_identity(page: tuple) -> bytes:
+        """The identity bytes of one page of a model prefix."""
+        return np.asarray([t for t, _ in page], dtype=np.int32).tobytes() + page[0][1]
+
+    def expected_match(self, tokens: list[int], namespace, extras: dict[int, bytes] | None = None) -> int:
         cached = self.cached[namespace]
         pages = max(len(tokens) - 1, 0) // self.ps
+        ident = self.ident(tokens, extras or {})
         k = 0
-        while k < pages and tuple(tokens[: (k + 1) * self.ps]) in cached:
+        while k < pages and ident[: (k + 1) * self.ps] in cached:
             k += 1
         return k * self.ps
 
@@ -122,7 +146,7 @@ class CacheMachine(RuleBasedStateMachine):
         """What committing ``stream`` must cache, decided from the tokens alone."""
         ns, ps = live.namespace, self.ps
         first = len(live.tokens) // ps
-        tokens = live.tokens + stream
+        tokens = self.ident(live.tokens + stream, live.extras)
         for index in range(first, len(tokens) // ps):
             if live.broken:
                 return
@@ -133,7 +157,7 @@ class CacheMachine(RuleBasedStateMachine):
                 continue
             parent = prefix[:-ps]
             parent_key = self.cached[ns][parent] if parent else namespace_seed(ns)
-            key = self.hash_fn(np.asarray(prefix[-ps:], dtype=np.int32).tobytes(), parent_key)
+            key = self.hash_fn(self.page_identity(prefix[-ps:]), parent_key)
             if key in self.keys[ns]:
                 live.broken = True
                 return
@@ -168,9 +192,10 @@ class CacheMachine(RuleBasedStateMachine):
                 parent = namespace_seed(ns) if event.parent_block_hash is None else event.parent_block_hash
                 prefix = () if event.parent_block_hash is None else self.keys[ns][parent]
                 for i, key in enumerate(event.block_hashes):
-                    page = event.token_ids[i * self.ps : (i + 1) * self.ps]
+                    extra = (event.extra_keys[i] if event.extra_keys else None) or b""
+                    page = tuple((t, extra) for t in event.token_ids[i * self.ps : (i + 1) * self.ps])
                     prefix = (*prefix, *page)
-                    assert key == self.hash_fn(np.asarray(page, dtype=np.int32).tobytes(), parent)
+                    assert key == self.hash_fn(self.page_identity(page), parent)
                     assert self.keys[ns].get(key) == prefix, "stored a page the model did not cache"
                     self.unannounced.remove((ns, key))
                     parent = key
@@ -199,38 +224,50 @@ class CacheMachine(RuleBasedStateMachine):
         """What the engine does before commit: write the KV of ``tokens`` into their slots."""
         table = live.seq.block_table.tolist()
         start = len(live.tokens)
-        stream = live.tokens + tokens
+        stream = self.ident(live.tokens + tokens, live.extras)
         for pos in range(start, start + len(tokens)):
             slots = self.kv.setdefault(table[pos // self.ps], [None] * self.ps)
-            slots[pos % self.ps] = (live.namespace, tuple(stream[: pos + 1]))
+            slots[pos % self.ps] = (live.namespace, stream[: pos + 1])
 
     # ------------------------------------------------------------------ rules
 
-    def open_prompt(self, data, source: str, suffix: list[int], namespace, kind: int) -> Live:
-        """Open a prompt drawn from ``source`` and check its cached prefix against the models."""
+    def draw_prompt(self, data, source: str, suffix: list[int], namespace, image) -> tuple:
+        """(prompt, namespace, images): a prompt from ``source``, with an image over some of its
+        tokens for fresh prompts; extended and repeated ones keep their base's images."""
+        images = []
         if source in ("extend", "repeat") and self.history:
-            namespace, base = data.draw(st.sampled_from(self.history))
+            namespace, base, images = data.draw(st.sampled_from(self.history))
             prompt = list(base) if source == "repeat" else base + suffix
-        elif source == "system":
-            prompt = self.system + suffix
         else:
-            prompt = suffix
-        if not prompt:
-            prompt = [0]
-        expected = self.expected_match(prompt, namespace)
+            prompt = (self.system + suffix if source == "system" else suffix) or [0]
+            if image is not None:
+                start = min(image[0], len(prompt) - 1)
+                images = [(start, min(start + image[1], len(prompt)), image[2])]
+        return prompt or [0], namespace, images
+
+    def open_prompt(self, data, source: str, suffix: list[int], namespace, kind: int, image) -> Live:
+        """Open a prompt drawn from ``source`` and check its cached prefix against the models."""
+        prompt, namespace, images = self.draw_prompt(data, source, suffix, namespace, image)
+        expected = self.expected_match(prompt, namespace, self.page_extras(images))
         before = snapshot(self.cache)
-        assert self.cache.match(as_container(prompt, kind), namespace) == expected
+        assert self.cache.match(as_container(prompt, kind), namespace, extra_keys=images or None) == expected
         assert snapshot(self.cache) == before
-        seq = self.cache.open(as_container(prompt, kind), namespace)
+        seq = self.cache.open(as_container(prompt, kind), namespace, extra_keys=images or None)
         assert seq.num_cached_tokens == expected == seq.num_tokens == seq.num_allocated_tokens
+        return self.opened(seq, prompt, namespace, expected, images)
+
+    def opened(self, seq: Sequence, prompt: list[int], namespace, expected: int, images: list) -> Live:
+        """Check a newly opened sequence's cached pages against the KV model, and track it."""
+        extras = self.page_extras(images)
+        ident = self.ident(prompt, extras)
         table = seq.block_table.tolist()
         for pos in range(expected):
-            assert self.kv[table[pos // self.ps]][pos % self.ps] == (namespace, tuple(prompt[: pos + 1]))
-        live = Live(seq, namespace, prompt[expected:], prompt[:expected])
+            assert self.kv[table[pos // self.ps]][pos % self.ps] == (namespace, ident[: pos + 1])
+        live = Live(seq, namespace, prompt[expected:], prompt[:expected], images=images, extras=extras)
         for k in range(1, expected // self.ps + 1):
-            self.hold(live, tuple(prompt[: k * self.ps]))
+            self.hold(live, ident[: k * self.ps])
         self.live.append(live)
-        self.history.append((namespace, prompt))
+        self.history.append((namespace, prompt, images))
         return live
 
     def try_allocate(self, live: Live, count: int) -> bool:
@@ -269,15 +306,87 @@ class CacheMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------------ rules
 
     @rule(**PROMPT)
-    def open(self, data, source: str, suffix: list[int], namespace, kind: int) -> None:
-        self.open_prompt(data, source, suffix, namespace, kind)
+    def open(self, data, source: str, suffix: list[int], namespace, kind: int, image) -> None:
+        self.open_prompt(data, source, suffix, namespace, kind, image)
 
     @rule(**PROMPT)
-    def admit(self, data, source: str, suffix: list[int], namespace, kind: int) -> None:
+    def admit(self, data, source: str, suffix: list[int], namespace, kind: int, image) -> None:
         """The engine's admission: open, allocate the uncached prompt, commit it."""
-        live = self.open_prompt(data, source, suffix, namespace, kind)
+        live = self.open_prompt(data, source, suffix, namespace, kind, image)
         if self.try_allocate(live, len(live.pending)) and live.pending:
             self.do_commit(live, live.pending, kind)
+
+    @rule(**PROMPT, extra=st.integers(0, 3))
+    def admit_at_once(
+        self, data, source: str, suffix: list[int], namespace, kind: int, image, extra: int
+    ) -> None:
+        """``admit``: all or nothing, judged by the model (a matched page nobody holds counts as
+        taken)."""
+        prompt, namespace, images = self.draw_prompt(data, source, suffix, namespace, image)
+        ident = self.ident(prompt, self.page_extras(images))
+        expected = self.expected_match(prompt, namespace, self.page_extras(images))
+        matched = [ident[: k * self.ps] for k in range(1, expected // self.ps + 1)]
+        unheld = sum(1 for prefix in matched if not self.refs.get((namespace, prefix)))
+        needed = -(-(len(prompt) + extra) // self.ps) - len(matched)
+        available = self.cache.num_free_pages + self.cache.num_evictable_pages - unheld
+        if needed > available:
+            before = snapshot(self.cache)
+            with pytest.raises(OutOfPages):
+                self.cache.admit(as_container(prompt, kind), namespace, extra_tokens=extra, extra_keys=images)
+            assert snapshot(self.cache) == before
+            return
+        seq = self.cache.admit(as_container(prompt, kind), namespace, extra_tokens=extra, extra_keys=images)
+        assert seq.num_cached_tokens == expected == seq.num_tokens
+        assert seq.num_allocated_tokens == len(prompt) + extra
+        live = self.opened(seq, prompt, namespace, expected, images)  # holds the prefix it matched
+        self.apply_events()  # evictions, before the model decides what later commits find cached
+        if live.pending:
+            self.do_commit(live, live.pending, kind)
+
+    @precondition(lambda self: any(live.seq.num_allocated_tokens > live.seq.num_tokens for live in self.live))
+    @rule(data=st.data())
+    def rollback(self, data) -> None:
+        """Speculative decoding: give back reserved slots that were not committed."""
+        live = data.draw(
+            st.sampled_from([x for x in self.live if x.seq.num_allocated_tokens > x.seq.num_tokens])
+        )
+        seq = live.seq
+        keep = data.draw(st.integers(seq.num_tokens, seq.num_allocated_tokens))
+        table, free = seq.block_table.tolist(), self.cache.num_free_pages
+        self.cache.rollback(seq, keep)
+        pages = -(-keep // self.ps)
+        assert seq.num_allocated_tokens == keep and seq.block_table.tolist() == table[:pages]
+        assert self.cache.num_free_pages == free + len(table) - pages
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), tokens=st.lists(st.integers(0, VOCAB - 1), min_size=24, max_size=24))
+    def decode_batch(self, data, tokens: list[int]) -> None:
+        """One decode step of several sequences through the batch calls."""
+        batch = data.draw(st.lists(st.sampled_from(self.live), min_size=1, unique_by=id))
+        needed = sum(
+            max(-(-(x.seq.num_allocated_tokens + 1) // self.ps) - len(x.seq.block_table), 0) for x in batch
+        )
+        if needed > self.cache.num_free_pages + self.cache.num_evictable_pages:
+            before = snapshot(self.cache)
+            with pytest.raises(OutOfPages):
+                self.cache.allocate_batch([x.seq for x in batch], 1)
+            assert snapshot(self.cache) == before
+            return
+        slots = [x.seq.num_allocated_tokens for x in batch]
+        self.cache.allocate_batch([x.seq for x in batch], 1)
+        self.apply_events()
+        assert [x.seq.num_allocated_tokens for x in batch] == [n + 1 for n in slots]
+        # Commit the next token of those whose slot is the next uncommitted one.
+        ready = [x for x in batch if x.seq.num_tokens == x.seq.num_allocated_tokens - 1]
+        streams = [(x.pending or [tokens[i]])[:1] for i, x in enumerate(ready)]
+        for live, stream in zip(ready, streams, strict=True):
+            self.write_kv(live, stream)
+        self.cache.commit_batch([x.seq for x in ready], [stream[0] for stream in streams])
+        for live, stream in zip(ready, streams, strict=True):
+            self.model_commit(live, stream)
+            live.pending = live.pending[1:]
+            live.tokens += stream
+            assert live.seq.tokens.tolist() == live.tokens
 
     @precondition(lambda self: self.live)
     @rule(data=st.data(), token=st.integers(0, VOCAB - 1), as_array=st.booleans())
@@ -324,7 +433,9 @@ class CacheMachine(RuleBasedStateMachine):
         self.cache.close(live.seq)
         self.model_close(live)
         if live.tokens:
-            self.history.append((live.namespace, live.tokens))
+            # Its images that lie within what it committed (it may close before its prompt is in).
+            images = [image for image in live.images if image[1] <= len(live.tokens)]
+            self.history.append((live.namespace, live.tokens, images))
         before = snapshot(self.cache)
         with pytest.raises(ValueError, match="closed"):
             self.cache.close(live.seq)
@@ -368,11 +479,14 @@ class CacheMachine(RuleBasedStateMachine):
         cache.check_invariants()
         self.apply_events()
         tree_prefixes: dict[object, set[tuple[int, ...]]] = {ns: set() for ns in NAMESPACES}
+        page_bytes = 4 * self.ps
         for node in cache._tree.nodes():
-            tokens: list[int] = []
+            tokens: list = []
             walk = node
             while walk.parent is not None:
-                tokens[:0] = np.frombuffer(walk.tokens, dtype=np.int32).tolist()
+                extra = walk.tokens[page_bytes:]
+                page = np.frombuffer(walk.tokens[:page_bytes], dtype=np.int32).tolist()
+                tokens[:0] = [(t, extra) for t in page]
                 walk = walk.parent
             tree_prefixes[walk.namespace].add(tuple(tokens))
         assert tree_prefixes == {ns: set(cached) for ns, cached in self.cached.items()}
