@@ -12,34 +12,51 @@ cache compares tokens).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 
 from prefix_cache import events as cache_events
-from prefix_cache.hashing import Namespace, default_hash_fn, namespace_seed
+from prefix_cache.hashing import ExtraKey, Namespace, default_hash_fn, namespace_seed, page_extras
 from prefix_cache.tokens import as_token_array
 
 _LE_INT32 = np.dtype("<i4")
 
 
 def block_hashes(
-    tokens: object, page_size: int, namespace: Namespace = None, num_pages: int | None = None
+    tokens: object,
+    page_size: int,
+    namespace: Namespace = None,
+    num_pages: int | None = None,
+    *,
+    extra_keys: list[ExtraKey] | None = None,
 ) -> list[int]:
     """The chained keys of the full pages of ``tokens`` (1-D non-negative ints), first page first:
     the ``block_hashes`` a ``PrefixCache(page_size=page_size)`` with the default hash publishes for
-    them. ``num_pages`` caps how many (default: every full page)."""
+    them, opened with the same ``namespace`` and ``extra_keys``. ``num_pages`` caps how many
+    (default: every full page)."""
     arr = as_token_array(tokens)
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
     full = len(arr) // page_size
     count = full if num_pages is None else min(full, num_pages)
+    return list(_chain(arr, page_size, namespace, extra_keys, count))
+
+
+def _chain(
+    arr: np.ndarray, page_size: int, namespace: Namespace, extra_keys: list[ExtraKey] | None, count: int
+) -> Iterator[int]:
+    """The keys of the first ``count`` pages of ``arr``, lazily (a lookup stops at its first miss)."""
+    extras = page_extras(extra_keys, len(arr), page_size)
     data = arr.astype(_LE_INT32, copy=False).tobytes()
     step = 4 * page_size
     key = namespace_seed(namespace)
-    keys = []
-    for start in range(0, count * step, step):
-        key = default_hash_fn(data[start : start + step], key)
-        keys.append(key)
-    return keys
+    for page in range(count):
+        identity = data[page * step : (page + 1) * step]
+        if page in extras:
+            identity += extras[page]
+        key = default_hash_fn(identity, key)
+        yield key
 
 
 class BlockIndex:
@@ -101,22 +118,21 @@ class BlockIndex:
             self._drop_owner(key, bit)
         self._blocks[replica] = set()
 
-    def match(self, tokens: object, namespace: Namespace = None) -> list[int]:
+    def match(
+        self, tokens: object, namespace: Namespace = None, *, extra_keys: list[ExtraKey] | None = None
+    ) -> list[int]:
         """Leading tokens of ``tokens`` each replica holds (whole pages, at most ``len(tokens) - 1``,
-        like ``PrefixCache.match``), as a list indexed by replica."""
+        like ``PrefixCache.match`` with the same ``namespace`` and ``extra_keys``), as a list
+        indexed by replica."""
         arr = as_token_array(tokens)
         ps = self.page_size
         counts = [0] * self.num_replicas
         num_pages = (len(arr) - 1) // ps if len(arr) else 0
         if num_pages == 0 or not self._owners:
             return counts
-        data = arr.astype(_LE_INT32, copy=False).tobytes()
-        step = 4 * ps
-        key = namespace_seed(namespace)
         alive = (1 << self.num_replicas) - 1
         owners = self._owners
-        for page in range(num_pages):
-            key = default_hash_fn(data[page * step : (page + 1) * step], key)
+        for page, key in enumerate(_chain(arr, ps, namespace, extra_keys, num_pages)):
             alive &= owners.get(key, 0)
             if not alive:
                 break

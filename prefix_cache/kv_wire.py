@@ -18,8 +18,10 @@ One ZMQ multipart message per batch of events: ``(topic, sequence number, payloa
 
   - ``BlockStored``: ``block_hashes`` (list of uint64), ``parent_block_hash`` (uint64 or nil for a
     prompt's first page), ``token_ids`` (``len(block_hashes) * block_size`` ints), ``block_size``,
-    ``lora_id`` (nil), ``medium`` (``"GPU"``), ``lora_name`` (nil). vLLM's optional fields
-    (``extra_keys``, ``group_idx``, ``kv_cache_spec_kind``, ...) are left out.
+    ``lora_id`` (nil), ``medium`` (``"GPU"``), ``lora_name`` (nil); in the map layout also
+    ``extra_keys`` when a page has extra keys (per block, nil or a 1-tuple of the page's extra
+    identity bytes, see :mod:`prefix_cache.hashing`). vLLM's other optional fields
+    (``group_idx``, ``kv_cache_spec_kind``, ...) are left out.
   - ``BlockRemoved``: ``block_hashes``, ``medium``.
   - ``AllBlocksCleared``: no fields.
 
@@ -48,7 +50,7 @@ def _event_structs(array_like: bool) -> tuple[type, type, type, type]:
     class KVCacheEvent(msgspec.Struct, array_like=array_like, omit_defaults=True, gc=False, tag=True):
         """Base of the tagged event structs."""
 
-    class BlockStored(KVCacheEvent):
+    class ArrayBlockStored(KVCacheEvent, tag="BlockStored"):
         block_hashes: list[int]
         parent_block_hash: int | None
         token_ids: list[int]
@@ -56,6 +58,13 @@ def _event_structs(array_like: bool) -> tuple[type, type, type, type]:
         lora_id: int | None
         medium: str | None
         lora_name: str | None
+
+    # msgspec writes every field of an array-like struct, defaults too, so the optional extra_keys
+    # (vLLM's per-block extra identity) goes out only in the map layout, where a default is omitted.
+    class MapBlockStored(ArrayBlockStored, tag="BlockStored"):
+        extra_keys: list[tuple[bytes] | None] | None = None
+
+    BlockStored = ArrayBlockStored if array_like else MapBlockStored
 
     class BlockRemoved(KVCacheEvent):
         block_hashes: list[int]
@@ -90,6 +99,7 @@ def to_wire(
 ):
     """The ``EventBatch`` struct of ``events`` (as ``PrefixCache.drain_events`` returns them)."""
     stored, removed, cleared, batch = _check_layout(layout)
+    extra = _no_extras if layout == "array" else _wire_extras
     wire = []
     for event in events:
         kind = type(event)
@@ -103,6 +113,7 @@ def to_wire(
                     lora_id=None,
                     medium=MEDIUM_GPU,
                     lora_name=None,
+                    **extra(event.extra_keys),
                 )
             )
         elif kind is cache_events.BlockRemoved:
@@ -114,6 +125,17 @@ def to_wire(
                 f"events must hold BlockStored, BlockRemoved or AllBlocksCleared, got {kind.__name__}"
             )
     return batch(ts=ts, events=wire, data_parallel_rank=data_parallel_rank)
+
+
+def _wire_extras(extras: list[bytes | None] | None) -> dict[str, list[tuple[bytes] | None] | None]:
+    """Per block, vLLM's ``extra_keys`` entry: a tuple holding the page's extra identity bytes."""
+    if extras is None:
+        return {"extra_keys": None}
+    return {"extra_keys": [None if extra is None else (extra,) for extra in extras]}
+
+
+def _no_extras(extras: list[bytes | None] | None) -> dict:
+    return {}
 
 
 class BatchDecoder:
@@ -135,11 +157,16 @@ class BatchDecoder:
             batch = self._decoders["map"].decode(payload)
         events: list[cache_events.KVCacheEvent] = []
         for event in batch.events:
-            name = type(event).__name__
+            name = type(event).__struct_config__.tag
             if name == "BlockStored":
+                extras = getattr(event, "extra_keys", None)
                 events.append(
                     cache_events.BlockStored(
-                        event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size
+                        event.block_hashes,
+                        event.parent_block_hash,
+                        event.token_ids,
+                        event.block_size,
+                        extra_keys=None if extras is None else [None if e is None else e[0] for e in extras],
                     )
                 )
             elif name == "BlockRemoved":

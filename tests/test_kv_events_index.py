@@ -13,6 +13,7 @@ from test_kv_events_helpers import (
     FakeReplica,
     VBlockRemoved,
     VBlockStored,
+    replay_request,
     vllm_payload,
 )
 from xxhash import xxh3_64_intdigest
@@ -22,6 +23,7 @@ from prefix_cache.cache import PrefixCache
 from prefix_cache.events import AllBlocksCleared, BlockRemoved, BlockStored
 from prefix_cache.kv_publisher import KVEventPublisher
 from prefix_cache.kv_subscriber import KVEventSubscriber
+from prefix_cache.kv_wire import BatchDecoder
 
 # ---------------------------------------------------------------------- the hash and the index
 
@@ -54,6 +56,33 @@ def test_published_hashes_follow_the_documented_recipe(namespace) -> None:
     (stored,) = cache.drain_events()
     assert stored.block_hashes == documented_hashes(tokens, 3, namespace)
     assert block_hashes(tokens, 3, namespace) == documented_hashes(tokens, 3, namespace)
+
+
+def test_extra_keys_reach_the_index_through_the_wire() -> None:
+    """Pages under an image's placeholder tokens carry its key: in the published hashes, on the wire
+    (vLLM's ``extra_keys``) and in the router's lookup, so two images never share those pages."""
+    prompt = list(range(100, 124))  # 6 pages of 4; the image covers tokens 9..14 (pages 2 and 3)
+    image_a, image_b = [(9, 15, b"image-a")], [(9, 15, b"image-b")]
+    cache = PrefixCache(num_pages=16, page_size=4)
+    seq = cache.open(prompt, extra_keys=image_a)
+    cache.allocate(seq, len(prompt))
+    cache.commit(seq, prompt)
+    cache.close(seq)
+    with KVEventPublisher(LOOPBACK, LOOPBACK, layout="map") as pub:
+        pub.publish(cache.drain_events())
+        pub.flush()
+        (_, _, payload), _ = replay_request(pub.replay_endpoint, 0)
+    (stored,) = BatchDecoder().decode(payload)[1]
+    assert stored.block_hashes == block_hashes(prompt, 4, extra_keys=image_a)
+    assert stored.block_hashes[:2] == block_hashes(prompt, 4, num_pages=2)  # before the image
+    assert stored.block_hashes[2] != block_hashes(prompt, 4, extra_keys=image_b)[2]
+    assert stored.extra_keys[:3] == [None, None, len(b"image-a").to_bytes(4, "little") + b"image-a"]
+    index = BlockIndex(num_replicas=1, page_size=4)
+    index.apply(0, [stored])
+    for extra in (image_a, image_b, None):
+        got = index.match(prompt, extra_keys=extra)
+        assert got == [cache.match(prompt, extra_keys=extra)] and got[0] in (20, 8)
+    assert index.match(prompt, extra_keys=image_b) == [8]
 
 
 def test_index_matches_each_cache() -> None:
