@@ -161,8 +161,9 @@ class LlamaModel:
         c = self.config
         hq, hkv, hd = c.num_qo_heads, c.num_kv_heads, c.head_dim
         cos, sin = self._rope(positions)
-        page_size = kv_pool[0].shape[2]
-        pages, offsets = slots // page_size, slots % page_size
+        if not kv_pool[0].is_cuda:  # torch indexing writes the KV on the CPU
+            page_size = kv_pool[0].shape[2]
+            pages, offsets = slots // page_size, slots % page_size
         x = self.embed[tokens]
         for layer, kv in zip(self.layers, kv_pool, strict=True):
             h = self._rms_norm(x, layer["attn_norm"])
