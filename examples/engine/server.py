@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import queue
 import threading
@@ -21,6 +22,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import Future
 from typing import Literal
 
+import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -42,6 +44,8 @@ class EngineWorker:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._stop = False
+        # OpenMP's thread count is per thread: the engine thread takes the one set where it is created.
+        self._num_threads = torch.get_num_threads()
         self._thread.start()
 
     def submit(self, prompt: list[int], params: SamplingParams) -> tuple[str, asyncio.Queue, Future]:
@@ -60,6 +64,7 @@ class EngineWorker:
         self._thread.join()
 
     def _loop(self) -> None:
+        torch.set_num_threads(self._num_threads)
         while not self._stop:
             block = not self.engine.has_work()
             try:
@@ -68,8 +73,12 @@ class EngineWorker:
                     block = False
             except queue.Empty:
                 pass
-            for sample in self.engine.step():
+            samples = self.engine.step()
+            for sample in samples:
                 self._publish(sample)
+            for sample in samples:  # after all of the step's tokens are out: several samples end at once
+                if sample.request.finished:
+                    self._streams.pop(sample.request.request_id, None)
 
     def _handle(self, command: tuple) -> None:
         if command[0] == "add":
@@ -93,8 +102,6 @@ class EngineWorker:
         loop, events = stream
         event = (sample.index, int(sample.output[-1]), sample.finish_reason)
         loop.call_soon_threadsafe(events.put_nowait, event)
-        if sample.request.finished:
-            del self._streams[request_id]
 
 
 # ---------------------------------------------------------------------------------------- the API
@@ -152,16 +159,15 @@ def create_app(
     engine: LLMEngine, chat: ChatFormat, model_name: str, default_max_tokens: int = 256
 ) -> FastAPI:
     """The FastAPI app; the engine thread starts with the app and stops with it."""
-    app = FastAPI(title="prefix-cache engine")
     worker: dict[str, EngineWorker] = {}
 
-    @app.on_event("startup")
-    async def _start() -> None:
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         worker["w"] = EngineWorker(engine)
-
-    @app.on_event("shutdown")
-    async def _stop() -> None:
+        yield
         worker.pop("w").shutdown()
+
+    app = FastAPI(title="prefix-cache engine", lifespan=lifespan)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, error: APIError) -> JSONResponse:
