@@ -222,3 +222,12 @@ def test_cuda_triton_engine_matches_the_torch_backend_on_dummy_weights():
     assert eng.scheduler.num_preemptions > 0
     for a, b in zip(tight, expected, strict=True):
         np.testing.assert_array_equal(np.stack(a), np.stack(b))
+
+
+def test_command_line_answers_a_prompt(monkeypatch, capsys):
+    from examples.engine import __main__ as cli
+
+    monkeypatch.setattr(cli, "load_model", lambda name, device: smollm2())
+    assert cli.main(["What is the capital of France?", "--max-tokens", "12"]) == 0
+    printed = capsys.readouterr().out
+    assert "Paris" in printed and "prompt tokens" in printed
