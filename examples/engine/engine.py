@@ -126,7 +126,10 @@ class LLMEngine:
         # A sample gets a next token when this chunk reaches the end of its known tokens.
         done = [i for i, (s, n) in enumerate(batch) if s.num_computed + n == s.num_tokens]
         rows = (np.cumsum(qo_lens) - 1)[done]
-        to_device = lambda a: torch.from_numpy(a).to(device, non_blocking=True)  # noqa: E731
+
+        def to_device(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(device)
+
         logits = self.model.forward(
             to_device(tokens.astype(np.int64)),
             to_device(positions),
