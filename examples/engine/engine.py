@@ -1,0 +1,195 @@
+"""The engine: requests in, tokens out, one ``step`` at a time.
+
+Per step: the scheduler picks samples and allocates their pages; one cascade plan for the batch,
+``backend.plan`` once; the model's forward writes each new token's K/V into its page and runs
+``backend.run`` per layer; the next tokens are sampled; the computed tokens are ``commit``-ted, so
+newly full pages become matchable; finished samples are closed, their full pages staying cached for
+the conversation's next turn. Decode runs eagerly (no CUDA graphs yet).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from itertools import count
+
+import numpy as np
+import torch
+
+from prefix_cache import CascadePlanner, PrefixCache
+from prefix_cache.attention import create_backend
+
+from .model import LlamaModel
+from .request import Request, Sample, SamplingParams, Status
+from .sampling import sample_tokens
+from .scheduler import Scheduler, SchedulerConfig
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """num_pages, page_size: the KV pool; backend: "torch", "triton" or "flashinfer"; cascade: False
+    plans a single level (plain paged attention); planner: the cascade cost model's thresholds."""
+
+    num_pages: int = 2048
+    page_size: int = 16
+    backend: str = "torch"
+    cascade: bool = True
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    planner: CascadePlanner = field(default_factory=CascadePlanner)
+
+
+@dataclass
+class EngineStats:
+    """Counters over the engine's life."""
+
+    steps: int = 0
+    shared_levels: int = 0  # summed over steps
+    prefill_tokens: int = 0  # query tokens of chunks that were not a single decode token
+    decode_tokens: int = 0
+    peak_pages_in_use: int = 0  # pages holding KV of live sequences (not free, not merely cached)
+    peak_running: int = 0
+
+
+class LLMEngine:
+    """A Llama model served over a ``PrefixCache`` and a cascade attention backend."""
+
+    def __init__(self, model: LlamaModel, config: EngineConfig, stop_token_ids: frozenset[int] = frozenset()):
+        self.model, self.config = model, config
+        self.stop_token_ids = stop_token_ids
+        self.cache = PrefixCache(config.num_pages, config.page_size, record_events=False)
+        self.kv_pool = model.new_kv_pool(config.num_pages, config.page_size)
+        self.scheduler = Scheduler(self.cache, config.scheduler)
+        planner = config.planner
+        if not config.cascade:
+            planner = CascadePlanner(planner.min_shared_tokens, planner.min_saved_tokens, max_levels=1)
+        self.planner = planner
+        self.backend = create_backend(config.backend, device=model.device)
+        self.requests: dict[str, Request] = {}
+        self.stats = EngineStats()
+        self._ids = count()
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, prompt: object, params: SamplingParams, request_id: str | None = None) -> Request:
+        """Queue a prompt (1-D token ids). Raises ValueError, queueing nothing, for an empty prompt,
+        ids outside the vocabulary, a duplicate id, or a request that cannot fit in the KV pool."""
+        ids = np.asarray(prompt)
+        if ids.ndim != 1 or len(ids) == 0 or not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError("prompt must be a non-empty 1-D sequence of token ids")
+        if ids.min() < 0 or ids.max() >= self.model.config.vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, {self.model.config.vocab_size})")
+        request_id = f"req-{next(self._ids)}" if request_id is None else request_id
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        request = Request(request_id, ids.astype(np.int32), params)
+        self.scheduler.add(request)
+        self.requests[request_id] = request
+        return request
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now (its samples finish with reason "abort"); unknown ids are ignored."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        for s in request.samples:
+            if not s.finished:
+                self.scheduler.finish(s, "abort")
+
+    def has_work(self) -> bool:
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
+    # ------------------------------------------------------------------ a step
+
+    def step(self) -> list[Sample]:
+        """Run one batch; returns the samples that got a new token (``s.output[-1]``), finished ones
+        included (``s.finished``)."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        cache, ps, device = self.cache, self.config.page_size, self.model.device
+        qo_lens = np.array([n for _, n in batch], dtype=np.int64)
+        starts = np.array([s.num_computed for s, _ in batch], dtype=np.int64)
+        tokens = np.concatenate([s.tokens[a : a + n] for (s, n), a in zip(batch, starts, strict=True)])
+        positions = np.concatenate([np.arange(a, a + n) for a, n in zip(starts, qo_lens, strict=True)])
+        tables = [s.seq.block_table for s, _ in batch]
+        slots = np.concatenate(
+            [
+                t[p // ps].astype(np.int64) * ps + p % ps
+                for t, p in zip(tables, np.split(positions, np.cumsum(qo_lens)[:-1]), strict=True)
+            ]
+        )
+        plan = self.planner.plan(tables, starts + qo_lens, qo_lens, ps)
+        cfg = self.model.config
+        self.backend.plan(
+            plan, num_qo_heads=cfg.num_qo_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim
+        )
+        # A sample gets a next token when this chunk reaches the end of its known tokens.
+        done = [i for i, (s, n) in enumerate(batch) if s.num_computed + n == s.num_tokens]
+        rows = (np.cumsum(qo_lens) - 1)[done]
+
+        def to_device(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(device)
+
+        logits = self.model.forward(
+            to_device(tokens.astype(np.int64)),
+            to_device(positions),
+            to_device(slots),
+            self.kv_pool,
+            self.backend,
+            to_device(rows),
+        )
+        sampled = [batch[i][0] for i in done]
+        next_tokens = sample_tokens(logits, sampled)
+        now = time.perf_counter()
+
+        for (s, n), a in zip(batch, starts, strict=True):
+            cache.commit(s.seq, s.tokens[a : a + n])
+            s.num_computed += n
+        self._account(plan, qo_lens)
+        for s, token in zip(sampled, next_tokens, strict=True):
+            self._append(s, token, now)
+        return sampled
+
+    def _append(self, s: Sample, token: int, now: float) -> None:
+        request, params = s.request, s.request.params
+        s.tokens[s.num_tokens] = token
+        s.token_times[s.num_output] = now
+        s.num_tokens += 1
+        if s.index == 0:
+            request.prompt_cached = True
+        if not params.ignore_eos and token in self.stop_token_ids:
+            self.scheduler.finish(s, "stop")
+        elif s.num_output == params.max_tokens:
+            self.scheduler.finish(s, "length")
+        if request.finished:
+            self.requests.pop(request.request_id, None)
+
+    def _account(self, plan: object, qo_lens: np.ndarray) -> None:
+        st = self.stats
+        st.steps += 1
+        st.shared_levels += len(plan.levels) - 1
+        decodes = int(np.count_nonzero(qo_lens == 1))
+        st.decode_tokens += decodes
+        st.prefill_tokens += int(qo_lens.sum()) - decodes
+        in_use = self.cache.num_pages - self.cache.num_free_pages - self.cache.num_evictable_pages
+        st.peak_pages_in_use = max(st.peak_pages_in_use, in_use)
+        st.peak_running = max(st.peak_running, len(self.scheduler.running))
+
+    # ------------------------------------------------------------------ convenience
+
+    def generate(self, prompts: list[object], params: SamplingParams) -> list[list[np.ndarray]]:
+        """Run ``prompts`` to completion; per prompt, the output ids of each of its samples."""
+        requests = [self.add_request(p, params) for p in prompts]
+        while self.has_work():
+            self.step()
+        return [[s.output.copy() for s in r.samples] for r in requests]
+
+    def check_invariants(self) -> None:
+        """The cache's own invariants, and that exactly the running samples hold sequences."""
+        self.cache.check_invariants()
+        running = set(self.scheduler.running)
+        assert self.cache.num_live_sequences == len(running)
+        for s in running:
+            assert s.status is Status.RUNNING and s.seq is not None and s.seq.num_tokens == s.num_computed
+        for s in self.scheduler.waiting:
+            assert s.status is Status.WAITING and s.seq is None

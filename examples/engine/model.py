@@ -1,0 +1,188 @@
+"""A Llama-architecture forward pass over a paged KV pool, attention through a prefix-cache backend.
+
+Embedding, then per layer: RMSNorm, fused QKV projection, RoPE (half-split rotation, as in Hugging
+Face's Llama), the new tokens' K/V written into their pages, attention of the batch's cascade plan,
+output projection, RMSNorm, SwiGLU MLP; a final RMSNorm and the LM head on the rows that are sampled.
+
+The KV pool is one tensor per layer, ``[num_pages, 2, page_size, num_kv_heads, head_dim]``, all
+indexed by the same page ids.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from prefix_cache.attention import AttentionBackend
+
+from .config import ModelConfig
+
+
+class LlamaModel:
+    """Weights and the forward pass. Built by ``from_gguf_weights`` or ``dummy``."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        layers: list[dict[str, torch.Tensor]],
+        embed: torch.Tensor,
+        final_norm: torch.Tensor,
+        lm_head: torch.Tensor,
+    ) -> None:
+        self.config = config
+        self.layers = layers  # per layer: attn_norm, wqkv, wo, ffn_norm, w_gate_up, w_down
+        self.embed = embed  # [vocab, hidden]
+        self.final_norm = final_norm  # [hidden]
+        self.lm_head = lm_head  # [vocab, hidden]; the embedding itself when tied
+        self.device, self.dtype = embed.device, embed.dtype
+        self._rope_cos = self._rope_sin = torch.zeros(0, config.head_dim, device=self.device)
+
+    @classmethod
+    def from_gguf_weights(
+        cls,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> LlamaModel:
+        """From tensors named as in a llama.cpp GGUF file (see ``gguf_file.load_weights``)."""
+
+        def get(name: str) -> torch.Tensor:
+            return weights[name].to(device, dtype)
+
+        layers = []
+        for i in range(config.num_layers):
+            p = f"blk.{i}."
+            layers.append(
+                {
+                    "attn_norm": get(p + "attn_norm.weight"),
+                    "wqkv": torch.cat(
+                        [get(p + "attn_q.weight"), get(p + "attn_k.weight"), get(p + "attn_v.weight")]
+                    ),
+                    "wo": get(p + "attn_output.weight"),
+                    "ffn_norm": get(p + "ffn_norm.weight"),
+                    "w_gate_up": torch.cat([get(p + "ffn_gate.weight"), get(p + "ffn_up.weight")]),
+                    "w_down": get(p + "ffn_down.weight"),
+                }
+            )
+        embed = get("token_embd.weight")
+        lm_head = embed if "output.weight" not in weights else get("output.weight")
+        return cls(config, layers, embed, get("output_norm.weight"), lm_head)
+
+    @classmethod
+    def dummy(
+        cls,
+        config: ModelConfig,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.bfloat16,
+        seed: int = 0,
+    ) -> LlamaModel:
+        """Random weights at the config's shapes: outputs are meaningless, timings are real."""
+        gen = torch.Generator(device=device).manual_seed(seed)
+        h, hd = config.hidden_size, config.head_dim
+        qkv_rows = (config.num_qo_heads + 2 * config.num_kv_heads) * hd
+
+        def rand(rows: int, cols: int) -> torch.Tensor:
+            w = torch.empty(rows, cols, device=device, dtype=dtype)
+            return w.normal_(0.0, cols**-0.5, generator=gen)
+
+        def ones() -> torch.Tensor:
+            return torch.ones(h, device=device, dtype=dtype)
+
+        layers = [
+            {
+                "attn_norm": ones(),
+                "wqkv": rand(qkv_rows, h),
+                "wo": rand(h, config.num_qo_heads * hd),
+                "ffn_norm": ones(),
+                "w_gate_up": rand(2 * config.intermediate_size, h),
+                "w_down": rand(h, config.intermediate_size),
+            }
+            for _ in range(config.num_layers)
+        ]
+        embed = rand(config.vocab_size, h)
+        lm_head = embed if config.tie_word_embeddings else rand(config.vocab_size, h)
+        return cls(config, layers, embed, ones(), lm_head)
+
+    def new_kv_pool(self, num_pages: int, page_size: int) -> list[torch.Tensor]:
+        """Per layer, ``[num_pages, 2, page_size, num_kv_heads, head_dim]`` in the model's dtype."""
+        c = self.config
+        shape = (num_pages, 2, page_size, c.num_kv_heads, c.head_dim)
+        return [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(c.num_layers)]
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for ``positions`` ([T] int64), each [T, 1, head_dim] in the model's dtype."""
+        need = int(positions.max()) + 1 if positions.numel() else 0
+        if need > self._rope_cos.shape[0]:
+            c = self.config
+            size = max(need, 2 * self._rope_cos.shape[0], 4096)
+            inv_freq = 1.0 / (
+                c.rope_theta
+                ** (
+                    torch.arange(0, c.head_dim, 2, dtype=torch.int64, device=self.device).float() / c.head_dim
+                )
+            )
+            freqs = torch.arange(size, device=self.device, dtype=torch.float32)[:, None] * inv_freq[None, :]
+            emb = torch.cat([freqs, freqs], dim=-1)
+            self._rope_cos, self._rope_sin = emb.cos(), emb.sin()
+        return (
+            self._rope_cos[positions].to(self.dtype)[:, None, :],
+            self._rope_sin[positions].to(self.dtype)[:, None, :],
+        )
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
+        return weight * xf.to(x.dtype)
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        kv_pool: list[torch.Tensor],
+        backend: AttentionBackend,
+        logit_rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """One step over a batch already planned on ``backend``.
+
+        tokens, positions, slots: int64 [T] on the model's device, in the engine's request order; a
+            token's KV goes to page ``slot // page_size`` at offset ``slot % page_size``.
+        logit_rows: int64 [R], the rows of the batch whose next-token logits are wanted.
+        Returns float32 logits [R, vocab].
+        """
+        c = self.config
+        hq, hkv, hd = c.num_qo_heads, c.num_kv_heads, c.head_dim
+        cos, sin = self._rope(positions)
+        if not kv_pool[0].is_cuda:  # torch indexing writes the KV on the CPU
+            page_size = kv_pool[0].shape[2]
+            pages, offsets = slots // page_size, slots % page_size
+        x = self.embed[tokens]
+        for layer, kv in zip(self.layers, kv_pool, strict=True):
+            h = self._rms_norm(x, layer["attn_norm"])
+            qkv = F.linear(h, layer["wqkv"])
+            q = qkv[:, : hq * hd].view(-1, hq, hd)
+            k = qkv[:, hq * hd : (hq + hkv) * hd].view(-1, hkv, hd)
+            v = qkv[:, (hq + hkv) * hd :].view(-1, hkv, hd)
+            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+            if kv.is_cuda:
+                from prefix_cache.kernels import append_kv
+
+                append_kv(kv, k, v.contiguous(), slots)
+            else:
+                kv[pages, 0, offsets] = k
+                kv[pages, 1, offsets] = v
+            attn = backend.run(q.contiguous(), kv)
+            x = x + F.linear(attn.reshape(-1, hq * hd), layer["wo"])
+            h = self._rms_norm(x, layer["ffn_norm"])
+            gate, up = F.linear(h, layer["w_gate_up"]).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer["w_down"])
+        x = self._rms_norm(x[logit_rows], self.final_norm)
+        return F.linear(x, self.lm_head).float()
