@@ -169,6 +169,42 @@ def test_calibrated_cost_model_chooses_the_faster_plan() -> None:
     assert len(plan_of(decode_batch([(16, 8)], unique_pages=16), CascadePlanner(cost_model=None)).levels) == 2
 
 
+@given(batch=batches(), planner=planners)
+@settings(max_examples=60, deadline=None)
+def test_one_level_plans_keep_the_engine_order(batch: Batch, planner: CascadePlanner) -> None:
+    """A backend may skip the q gather and output scatter of a one-level plan: the planner keeps the
+    engine's order there (requests without queries last), so its query_order is the identity."""
+    plan = plan_of(batch, planner)
+    if len(plan.levels) > 1:
+        return
+    active = batch.qo_lens > 0
+    assert plan.request_order.tolist() == [*np.flatnonzero(active), *np.flatnonzero(~active)]
+    assert plan.query_order.tolist() == list(range(int(batch.qo_lens.sum())))
+
+
+def test_one_level_plan_of_shared_prefix_keeps_the_engine_order() -> None:
+    """The cost model folds 256 tokens shared by 8 decodes into one level; two such groups
+    interleaved (which sorting by table would pull apart), with a request without queries among
+    them: the engine's order stands, that request last."""
+    first = decode_batch([(16, 8)], unique_pages=16)
+    second = decode_batch([(16, 8)], unique_pages=16)
+    tables: list[np.ndarray] = []
+    for a, b in zip(first.block_tables, second.block_tables, strict=True):
+        tables += [a, b + first.num_pages]
+    kv = np.repeat(first.kv_lens, 2)
+    qo = np.ones(16, dtype=np.int64)
+    qo[3] = 0
+    batch = Batch(tables, kv, qo, first.page_size, 2 * first.num_pages)
+    plan = plan_of(batch)
+    assert len(plan.levels) == 1
+    assert plan.request_order.tolist() == [*range(3), *range(4, 16), 3]
+    assert plan.query_order.tolist() == list(range(15))
+    # Sorted by table, as a two-level plan would be, the groups are contiguous.
+    sorted_plan = plan_of(batch, THRESHOLDS)
+    assert len(sorted_plan.levels) == 2
+    assert sorted_plan.request_order.tolist()[:8] == list(range(0, 16, 2))
+
+
 def test_nested_sharing_makes_nested_levels() -> None:
     # A 512-token system prompt shared by 32 requests; 4 conversations of 1024 more tokens, 8 samples each.
     tables, page = [], 1000
