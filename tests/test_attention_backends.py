@@ -338,7 +338,10 @@ def test_fixed_capacity_rejects_what_does_not_fit() -> None:
         backend.plan(ok, num_qo_heads=4, num_kv_heads=1, head_dim=16)
     backend.plan(ok, **heads)  # the buffers still serve plans that fit
     kv_cache = torch.randn(2, 2, 16, 1, 16, device=device)
-    assert backend.run(torch.randn(4, 2, 16, device=device), kv_cache).isfinite().all()
+    # q padded to the capacity's 4 rows: the plan's 3 are computed, the padding row is left as it was.
+    out = torch.full((4, 2, 16), 7.0, device=device)
+    backend.run(torch.randn(4, 2, 16, device=device), kv_cache, out=out)
+    assert out[:3].isfinite().all() and (out[:3] != 7.0).all() and (out[3] == 7.0).all()
 
 
 @pytest.mark.gpu
