@@ -8,9 +8,9 @@ engine's per-sequence block tables) or as lists of Python ints. The backends pla
 heads (32 / 8, head_dim 128, bf16 given at plan time) on CPU tensors: the exact-size Triton backend
 and one with a ``GraphCapacity``; their upload is a CPU copy here, where a GPU engine pays an
 asynchronous host-to-device copy. "in all" is the planner on the 2-D array plus the Triton backend's
-plan, what an engine pays per step. Calls of all rows are interleaved (one of each per round), so
-that they see the same machine load and allocator state; torch runs on one thread (its intra-op
-threads only slow a copy this small on a shared machine). Prints best and median milliseconds and
+plan, what an engine pays per step. Each row is timed in a loop of its own (after 5 warm-up
+calls), as an engine calls it step after step; torch runs on one thread (its intra-op threads only
+slow a copy this small on a shared machine). Prints best and median milliseconds and
 writes them, with the machine and versions, to a Markdown file.
 
     python benchmarks/bench_planner.py           # writes benchmarks/results/planner.md
@@ -72,15 +72,17 @@ def time_plans(repeats: int) -> list[tuple[str, float, float, int]]:
             planner.plan(tables, kv, qo, 16), **heads
         ),
     }
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for call in calls.values():  # warm-up
-        call()
-    for _ in range(repeats):
-        for name, call in calls.items():
+    rows = []
+    for name, call in calls.items():
+        for _ in range(5):  # warm-up
+            call()
+        times = []
+        for _ in range(repeats):
             start = time.perf_counter()
             call()
-            times[name].append((time.perf_counter() - start) * 1e3)
-    return [(name, min(t), statistics.median(t), len(plan.levels)) for name, t in times.items()]
+            times.append((time.perf_counter() - start) * 1e3)
+        rows.append((name, min(times), statistics.median(times), len(plan.levels)))
+    return rows
 
 
 def _cpu() -> str:
@@ -95,7 +97,7 @@ def _cpu() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--repeats", type=int, default=50, help="timed rounds (default: 50)")
+    ap.add_argument("--repeats", type=int, default=50, help="timed calls per row (default: 50)")
     ap.add_argument("--output", type=Path, default=RESULTS, help="Markdown results file")
     args = ap.parse_args(argv)
     if args.repeats < 1:
@@ -116,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         f"- versions: Python {platform.python_version()}, numpy {np.__version__}, torch {torch.__version__}",
         f"- command: `{shlex.join(['python', *sys.argv])}`",
         "",
-        f"Wall-clock ms per call, {args.repeats} rounds of one call per row after one warm-up round.",
+        f"Wall-clock ms per call, {args.repeats} calls per row after 5 warm-up calls.",
         "",
         "| call | best ms | median ms | levels |",
         "|---|---:|---:|---:|",

@@ -172,6 +172,11 @@ class CascadePlanner:
         return kept
 
 
+#: Each request's page ids, ``pages[i][:n]`` for its first n: a 2-D int32 array (a view of the
+#: caller's, columns up to the most pages any request uses; rows may hold unused entries past a
+#: request's own) or a list of 1-D int32 arrays of exactly the pages used.
+Pages = np.ndarray | list[np.ndarray]
+
 #: Page ids, the page size and query offsets end up in int32 plan arrays.
 _I32_MAX = int(np.iinfo(_I32).max)
 _BOOL_TYPES = frozenset((bool, np.bool_))
@@ -197,11 +202,10 @@ def _validate(
     kv_lens: Sequence[int] | np.ndarray,
     qo_lens: Sequence[int] | np.ndarray,
     page_size: int,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-    """Checked int64 lengths, the pages as one int32 matrix [batch, max pages used] (row i's first
-    ceil(kv_i / page_size) entries are request i's pages; later entries are undefined) and the page
-    size as an int. Nothing is converted that is not already an integer: floats (NaN too), bools and
-    arrays of the wrong rank raise, naming the argument."""
+) -> tuple[np.ndarray, np.ndarray, Pages, int]:
+    """Checked int64 lengths, the pages (``Pages``) and the page size as an int. Nothing is
+    converted that is not already an integer: floats (NaN too), bools and arrays of the wrong rank
+    raise, naming the argument."""
     if isinstance(page_size, bool) or not isinstance(page_size, int | np.integer):
         raise TypeError(f"page_size must be an integer, got {page_size!r}")
     if not 1 <= page_size <= _I32_MAX:
@@ -258,10 +262,7 @@ def _validate(
     used = np.concatenate(tables) if tables else np.zeros(0, dtype=_I32)
     if used.size and (used.min() < 0 or used.max() > _I32_MAX):
         raise ValueError(f"page ids must be in [0, 2**31), got range [{used.min()}, {used.max()}]")
-    matrix = np.empty((len(tables), width), dtype=_I32)
-    for row, pages in zip(matrix, tables, strict=True):
-        row[: pages.shape[0]] = pages
-    return kv, qo, matrix, page_size
+    return kv, qo, [pages.astype(_I32, copy=False) for pages in tables], page_size
 
 
 def _int_vector(name: str, values: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -292,9 +293,7 @@ def _check_int_dtype(name: str, arr: np.ndarray) -> None:
         raise TypeError(f"{name} must hold integers, got {what}")
 
 
-def _sort_and_lcp(
-    pages: np.ndarray, shareable: np.ndarray, active: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
+def _sort_and_lcp(pages: Pages, shareable: np.ndarray, active: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(order, lcp). order: planned order, requests with queries sorted by their shareable pages, so
     that requests sharing a prefix are contiguous (the DFS order of the trie), requests without
     queries last; stable: equal tables keep the engine's order. lcp[i]: pages that planned requests
@@ -307,13 +306,19 @@ def _sort_and_lcp(
     # Any fixed-width encoding of the page ids groups common prefixes: a byte string sorts next to the
     # strings it shares a prefix with, and a prefix sorts before its extensions. (Small per-row byte
     # strings: large temporary arrays cost more in page faults than the sort itself.)
-    keys = {i: pages[i, :s].tobytes() for i, s in zip(ids.tolist(), shareable[ids].tolist(), strict=True)}
+    keys = {i: pages[i][:s].tobytes() for i, s in zip(ids.tolist(), shareable[ids].tolist(), strict=True)}
     ids = np.array(sorted(keys, key=keys.__getitem__), dtype=np.int64)
+    del keys  # before the matrix below takes their memory: a plan's peak allocation stays low
     # Neighbours' first difference, on their shareable pages padded with -1 (never a page id).
     share = shareable[ids]
-    padded = pages[ids, :width]
-    for i in np.flatnonzero(share < width).tolist():
-        padded[i, share[i] :] = -1
+    if isinstance(pages, np.ndarray):
+        padded = pages[ids, :width]  # one gather, then the entries past each row's shareable pages
+        for i in np.flatnonzero(share < width).tolist():
+            padded[i, share[i] :] = -1
+    else:
+        padded = np.full((ids.shape[0], width), -1, dtype=_I32)
+        for row, i, n in zip(padded, ids.tolist(), share.tolist(), strict=True):
+            row[:n] = pages[i][:n]
     differ = padded[1:] != padded[:-1]
     first = np.where(differ.any(axis=1), differ.argmax(axis=1), width)
     lcp = np.minimum(first, np.minimum(share[:-1], share[1:]))
@@ -340,7 +345,7 @@ def _lcp_intervals(lcp: np.ndarray) -> list[tuple[int, int, int]]:
 
 def _shared_level(
     nodes: list[_Node],
-    pages: np.ndarray,
+    pages: Pages,
     order: np.ndarray,
     qo_indptr: np.ndarray,
     page_size: int,
@@ -355,7 +360,7 @@ def _shared_level(
             group_pages.append(np.zeros(0, dtype=_I32))
         group_qo.append(int(qo_indptr[node.hi]))
         # Members share these pages by construction; any member's table gives them.
-        group_pages.append(pages[order[node.lo], node.start : node.end])
+        group_pages.append(pages[order[node.lo]][node.start : node.end])
         position = node.hi
     if qo_indptr[-1] > qo_indptr[position]:
         group_qo.append(int(qo_indptr[-1]))
@@ -371,7 +376,7 @@ def _shared_level(
 
 
 def _unique_level(
-    pages: np.ndarray,
+    pages: Pages,
     order: np.ndarray,
     kv: np.ndarray,
     qo_planned: np.ndarray,
@@ -383,7 +388,7 @@ def _unique_level(
     queries). Always non-empty for a request with queries: shared segments stop before new tokens."""
     kv_planned = kv[order]
     end = np.where(qo_planned > 0, -(-kv_planned // page_size), shared_end)
-    own = [pages[r, s:e] for r, s, e in zip(order.tolist(), shared_end.tolist(), end.tolist(), strict=True)]
+    own = [pages[r][s:e] for r, s, e in zip(order.tolist(), shared_end.tolist(), end.tolist(), strict=True)]
     last = np.where(end > shared_end, kv_planned - (end - 1) * page_size, 0)
     return CascadeLevel(
         qo_indptr=qo_indptr.astype(_I32),
