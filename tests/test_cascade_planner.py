@@ -276,6 +276,10 @@ NAN = float("nan")
         ([[0]], [1, 1], [1, 1], 16, ValueError, "one entry per request"),
         ([[-1]], [1], [1], 16, ValueError, "page ids"),
         ([[2**31]], [1], [1], 16, ValueError, "page ids"),
+        # The same through a 2-D array (checked as a whole, not row by row).
+        (np.array([[0]]), [17], [1], 16, ValueError, "request 0: 1 pages for kv_len 17, needs 2"),
+        (np.array([[0, 1], [-1, 5]]), [17, 17], [1, 1], 16, ValueError, r"page ids .* range \[-1, 5\]"),
+        (np.array([[2**31, 0]]), [1], [1], 16, ValueError, "page ids"),
         # Nothing is converted: NaN, floats, bools and extra dimensions are refused by name.
         ([np.array([NAN])], [1], [1], 16, TypeError, r"block_tables\[0\]"),
         (np.array([[0.0, NAN]]), [17], [1], 16, TypeError, "block_tables"),
@@ -301,6 +305,20 @@ NAN = float("nan")
 def test_invalid_input(tables: list, kv: list, qo: list, page_size: int, error: type, message: str) -> None:
     with pytest.raises(error, match=message):
         CascadePlanner().plan(tables, kv, qo, page_size)
+
+
+def test_entries_past_the_used_pages_are_not_checked() -> None:
+    """Rows of a 2-D table padded past a request's pages (with -1, or anything) plan like the pages."""
+    clean = [np.arange(40), np.arange(20)]
+    padded = np.full((2, 48), -1, dtype=np.int64)
+    padded[0, :40], padded[1, :20] = clean
+    padded[1, 30] = 2**40
+    planner = CascadePlanner(min_shared_tokens=16, min_saved_tokens=0)
+    want = planner.plan(clean, [640, 320], [1, 1], 16)
+    got = planner.plan(padded, [640, 320], [1, 1], 16)
+    assert len(got.levels) == len(want.levels) == 2
+    for a, b in zip(got.levels, want.levels, strict=True):
+        assert a.kv_indices.tolist() == b.kv_indices.tolist() and a.qo_indptr.tolist() == b.qo_indptr.tolist()
 
 
 def test_integer_inputs_of_any_width_and_container_plan_alike() -> None:
