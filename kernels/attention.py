@@ -159,6 +159,58 @@ def _attention_kernel(
         tl.store(lse_ptr + o_row * stride_lse_row + head, lse, mask=row_ok)
 
 
+class AttentionLaunch:
+    """One attention launch with everything but the layer's tensors fixed when it is made (once per
+    plan): the grid and the compile-time constants. Calling it reads the tensors' strides and
+    launches; no checks (callers validate once per plan and per layer).
+    """
+
+    def __init__(
+        self,
+        *,
+        num_programs: int,
+        group_size: int,
+        tile: TileConfig,
+        num_kv_heads: int,
+        page_size: int,
+        head_dim: int,
+        dtype: torch.dtype,
+    ) -> None:
+        upcast = interpreting() or dtype == torch.float32
+        self.grid = (num_programs,)
+        self.constants = dict(
+            NUM_KV_HEADS=num_kv_heads, PAGE_SIZE=page_size, GROUP_SIZE=group_size,
+            TILE_Q=tile.block_m // group_size, HEAD_DIM=head_dim, BLOCK_M=tile.block_m,
+            BLOCK_N=tile.block_n, BLOCK_D=max(16, next_pow2(head_dim)), UPCAST=upcast,
+            DOT_PRECISION="ieee" if upcast else "tf32", num_warps=tile.num_warps,
+            # fp32 tiles are twice the bytes of the fp16/bf16 ones the block sizes were chosen for:
+            # no multi-stage KV buffering, so they still fit in shared memory (fp32 is for checks).
+            num_stages=1 if dtype == torch.float32 else tile.num_stages,
+        )  # fmt: skip
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        q_rows: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_indices: torch.Tensor,
+        work: torch.Tensor,
+        num_work: torch.Tensor,
+        o_rows: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        qk_scale: float,
+    ) -> None:
+        """Run ``num_work[0]`` items of ``work``: see ``launch_attention`` for the arguments."""
+        sq, sk, sv, so = q.stride(), k.stride(), v.stride(), out.stride()
+        _attention_kernel[self.grid](
+            q, q_rows, k, v, kv_indices, work, num_work, o_rows, out, lse, qk_scale,
+            sq[0], sq[1], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], so[0], so[1], lse.stride(0),
+            **self.constants,
+        )  # fmt: skip
+
+
 def launch_attention(
     q: torch.Tensor,
     q_rows: torch.Tensor,
@@ -181,24 +233,11 @@ def launch_attention(
     k, v: [num_pages, page_size, Hkv, D] views (``split_kv_cache``); qk_scale: sm_scale * log2(e);
     num_programs: grid size; programs loop over (item, KV head) pairs, so any size >= 1 is correct.
     """
-    upcast = interpreting() or q.dtype == torch.float32
-    # fp32 tiles are twice the bytes of the fp16/bf16 ones the block sizes were chosen for: no
-    # multi-stage KV buffering, so they still fit in shared memory (fp32 is for checks, not speed).
-    num_stages = 1 if q.dtype == torch.float32 else tile.num_stages
-    head_dim = q.shape[2]
-    _attention_kernel[(num_programs,)](
-        q, q_rows, k, v, kv_indices, work, num_work, o_rows, out, lse,
-        qk_scale,
-        q.stride(0), q.stride(1),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        out.stride(0), out.stride(1), lse.stride(0),
-        NUM_KV_HEADS=k.shape[2], PAGE_SIZE=k.shape[1], GROUP_SIZE=group_size,
-        TILE_Q=tile.block_m // group_size, HEAD_DIM=head_dim, BLOCK_M=tile.block_m,
-        BLOCK_N=tile.block_n, BLOCK_D=max(16, next_pow2(head_dim)), UPCAST=upcast,
-        DOT_PRECISION="ieee" if upcast else "tf32",
-        num_warps=tile.num_warps, num_stages=num_stages,
+    launch = AttentionLaunch(
+        num_programs=num_programs, group_size=group_size, tile=tile, num_kv_heads=k.shape[2],
+        page_size=k.shape[1], head_dim=q.shape[2], dtype=q.dtype,
     )  # fmt: skip
+    launch(q, q_rows, k, v, kv_indices, work, num_work, o_rows, out, lse, qk_scale)
 
 
 # ----------------------------------------------------------------------------------------------

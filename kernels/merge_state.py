@@ -168,23 +168,33 @@ def merge_states_varlen(
     )  # fmt: skip
 
 
-def launch_merge(
-    o: torch.Tensor,
-    lse: torch.Tensor,
-    starts: torch.Tensor,
-    counts: torch.Tensor,
-    out: torch.Tensor,
-    out_rows: torch.Tensor,
-) -> None:
-    """``merge_states_varlen`` with ``out_rows`` and without its checks (the triton backend checks
-    once per plan): one program per entry of ``starts``, over all heads."""
-    h, d = o.shape[1], o.shape[2]
-    block_d = max(16, next_pow2(d))
-    block_h = _block_h(h, block_d)
-    _merge_states_kernel[(starts.shape[0], triton.cdiv(h, block_h))](
-        o, lse, starts, counts, out_rows, out, lse,
-        h, 0, 1,
-        o.stride(0), o.stride(1), lse.stride(0),
-        out.stride(0), out.stride(1), lse.stride(0),
-        HEAD_DIM=d, BLOCK_H=block_h, BLOCK_D=block_d, VARLEN=True, SCATTER=True, WRITE_LSE=False,
-    )  # fmt: skip
+class MergeLaunch:
+    """``merge_states_varlen`` with ``out_rows`` and without its checks (the triton backend checks once
+    per plan), its grid and constants fixed when made: one program per query token over all heads."""
+
+    def __init__(self, num_tokens: int, num_heads: int, head_dim: int) -> None:
+        block_d = max(16, next_pow2(head_dim))
+        block_h = _block_h(num_heads, block_d)
+        self.grid = (num_tokens, -(-num_heads // block_h))
+        self.num_heads = num_heads
+        self.constants = dict(
+            HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d, VARLEN=True, SCATTER=True, WRITE_LSE=False
+        )
+
+    def __call__(
+        self,
+        o: torch.Tensor,
+        lse: torch.Tensor,
+        starts: torch.Tensor,
+        counts: torch.Tensor,
+        out: torch.Tensor,
+        out_rows: torch.Tensor,
+    ) -> None:
+        so, sout, slse = o.stride(), out.stride(), lse.stride(0)
+        _merge_states_kernel[self.grid](
+            o, lse, starts, counts, out_rows, out, lse,
+            self.num_heads, 0, 1,
+            so[0], so[1], slse,
+            sout[0], sout[1], slse,
+            **self.constants,
+        )  # fmt: skip

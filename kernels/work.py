@@ -75,7 +75,8 @@ def fixed_tile_configs(group_size: int, head_dim: int) -> tuple[TileConfig, Tile
 
 @dataclass(frozen=True)
 class LevelArrays:
-    """A level's index arrays, checked, as int64 numpy arrays; ``kv_len`` per group in tokens."""
+    """A level's index arrays, checked, as int64 numpy arrays (``kv_indices`` in the integer dtype it came
+    in, its values in [0, 2**31)); ``kv_len`` per group in tokens."""
 
     qo_indptr: np.ndarray
     kv_indptr: np.ndarray
@@ -92,11 +93,13 @@ class LevelArrays:
         return int(np.diff(self.qo_indptr).max(initial=0))
 
 
-def _as_int_array(name: str, a: np.ndarray | torch.Tensor) -> np.ndarray:
+def _as_int_array(name: str, a: np.ndarray | torch.Tensor, *, widen: bool = True) -> np.ndarray:
+    """``a`` as a 1-D integer numpy array: int64 when ``widen``, else in its own dtype (no copy of a
+    numpy array: page id lists are large, and their range is checked in place)."""
     arr = a.detach().cpu().numpy() if isinstance(a, torch.Tensor) else np.asarray(a)
     if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
         raise ValueError(f"{name} must be a 1-D integer array, got shape {arr.shape} dtype {arr.dtype}")
-    return arr.astype(np.int64)
+    return arr.astype(np.int64, copy=False) if widen or arr.size == 0 else arr
 
 
 def check_level(
@@ -111,7 +114,7 @@ def check_level(
         raise ValueError(f"page_size must be positive, got {page_size}")
     qo = _as_int_array("qo_indptr", qo_indptr)
     kvp = _as_int_array("kv_indptr", kv_indptr)
-    idx = _as_int_array("kv_indices", kv_indices)
+    idx = _as_int_array("kv_indices", kv_indices, widen=False)
     last = _as_int_array("kv_last_page_len", kv_last_page_len)
     num_groups = last.shape[0]
     if qo.shape[0] != num_groups + 1 or kvp.shape[0] != num_groups + 1:
@@ -149,13 +152,16 @@ def auto_chunk(
     if int(programs.sum()) >= slots or kv_len.size == 0:
         return UNSPLIT
     longest = int(kv_len.max())
+    # Every candidate at once: chunk lengths for 2..max_splits parts (non-increasing), cut where they
+    # fall below MIN_SPLIT_TOKENS; the total programs of each in one [candidates, groups] product.
+    parts = np.arange(2, max_splits + 1, dtype=np.int64)
+    per_part = -(-longest // parts)
+    chunks = -(-per_part // tile.block_n) * tile.block_n
+    chunks = chunks[: np.count_nonzero(chunks >= MIN_SPLIT_TOKENS)]
+    totals = np.maximum(-(-kv_len[None, :] // chunks[:, None]), 1) @ programs.astype(np.int64)
+    costs = (-(-totals // slots) * chunks).tolist()
     best_cost, best_chunk = longest, UNSPLIT  # one wave of the unsplit level
-    for parts in range(2, max_splits + 1):
-        chunk = cdiv(cdiv(longest, parts), tile.block_n) * tile.block_n
-        if chunk < MIN_SPLIT_TOKENS:
-            break
-        total = int((programs * np.maximum(-(-kv_len // chunk), 1)).sum())
-        cost = cdiv(total, slots) * chunk
+    for chunk, cost in zip(chunks.tolist(), costs, strict=True):
         # More splits must win clearly: each also costs partial rows to write and merge.
         if cost < 0.9 * best_cost:
             best_cost, best_chunk = cost, chunk

@@ -44,7 +44,8 @@ class CascadePlan:
     request_inverse: int32 [batch]; the engine's request i sits at planned position ``request_inverse[i]``.
     query_order: int64 [num_query_tokens]; planned query token t is the engine's query token
         ``query_order[t]`` (queries of one request are contiguous in both orders), so
-        ``q_planned = q[query_order]`` and ``out[query_order] = out_planned``.
+        ``q_planned = q[query_order]`` and ``out[query_order] = out_planned``. A plan of one level from
+        ``CascadePlanner`` keeps the engine's request order, so its query_order is the identity.
     page_size: tokens per page.
     """
 

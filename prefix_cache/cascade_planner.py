@@ -6,8 +6,9 @@ in O(total pages · log batch). A cost model walks the tree top-down and keeps t
 call; each kept node becomes a group at the level of its depth among kept nodes, and whatever a
 request has left after its deepest kept node goes to the last, causal level.
 
-Pass page tables as numpy arrays: 256 requests × 2000 pages plan in about 2 ms, most of it spent
-slicing per request; lists of Python ints cost a conversion and a type check of every page id.
+Pass page tables as numpy arrays: 256 requests × 2000 pages plan in about 0.8 ms from a 2-D array
+and 1.1 ms from a list of rows on a shared 2-core machine (benchmarks/bench_planner.py); lists of
+Python ints cost a conversion and a type check of every page id (about 20 ms).
 """
 
 from __future__ import annotations
@@ -101,14 +102,12 @@ class CascadePlanner:
         included) or bools raise TypeError, and a wrong shape or a value out of range raises
         ValueError, each naming the argument.
         """
-        kv, qo, tables, page_size = _validate(block_tables, kv_lens, qo_lens, page_size)
+        kv, qo, pages, page_size = _validate(block_tables, kv_lens, qo_lens, page_size)
         batch = kv.shape[0]
         # Whole pages of KV computed before this step: the most a request can share.
         shareable = np.where(qo > 0, (kv - qo) // page_size, 0)
 
-        order = _sort_by_table(tables, shareable, qo > 0)
-        num_active = int(np.count_nonzero(qo > 0))
-        lcp = _neighbour_lcp([tables[r] for r in order[:num_active]], shareable[order[:num_active]])
+        order, lcp = _sort_and_lcp(pages, shareable, qo > 0)
         nodes = self._choose(_lcp_intervals(lcp), page_size)
 
         qo_planned = qo[order]
@@ -123,13 +122,20 @@ class CascadePlanner:
             cascade = _cascade_features(nodes, qo_planned, kv[order], shared_end, page_size)
             if self.cost_model.time_us(flat) <= self.cost_model.time_us(cascade):
                 nodes, shared_end = [], np.zeros(batch, dtype=np.int64)
+        if not nodes:
+            # One level: nothing to group, so keep the engine's order (requests without queries last,
+            # holding no query tokens): query_order is then the identity and a backend needs no
+            # permutation of q or the output.
+            order = np.concatenate([np.flatnonzero(qo > 0), np.flatnonzero(qo == 0)])
+            qo_planned = qo[order]
+            np.cumsum(qo_planned, out=qo_indptr[1:])
 
         num_shared = max((n.level + 1 for n in nodes), default=0)
         levels = [
-            _shared_level([n for n in nodes if n.level == d], tables, order, qo_indptr, page_size)
+            _shared_level([n for n in nodes if n.level == d], pages, order, qo_indptr, page_size)
             for d in range(num_shared)
         ]
-        levels.append(_unique_level(tables, order, kv, qo_planned, qo_indptr, shared_end, page_size))
+        levels.append(_unique_level(pages, order, kv, qo_planned, qo_indptr, shared_end, page_size))
 
         inverse = np.empty(batch, dtype=_I32)
         inverse[order] = np.arange(batch, dtype=_I32)
@@ -167,6 +173,11 @@ class CascadePlanner:
         return kept
 
 
+#: Each request's page ids, ``pages[i][:n]`` for its first n: a 2-D int32 array (a view of the
+#: caller's, columns up to the most pages any request uses; rows may hold unused entries past a
+#: request's own) or a list of 1-D int32 arrays of exactly the pages used.
+Pages = np.ndarray | list[np.ndarray]
+
 #: Page ids, the page size and query offsets end up in int32 plan arrays.
 _I32_MAX = int(np.iinfo(_I32).max)
 _BOOL_TYPES = frozenset((bool, np.bool_))
@@ -192,10 +203,10 @@ def _validate(
     kv_lens: Sequence[int] | np.ndarray,
     qo_lens: Sequence[int] | np.ndarray,
     page_size: int,
-) -> tuple[np.ndarray, np.ndarray, list[np.ndarray], int]:
-    """Checked int64 lengths, each request's used pages (int32, exactly ceil(kv / page_size)) and the
-    page size as an int. Nothing is converted that is not already an integer: floats (NaN too), bools
-    and arrays of the wrong rank raise, naming the argument."""
+) -> tuple[np.ndarray, np.ndarray, Pages, int]:
+    """Checked int64 lengths, the pages (``Pages``) and the page size as an int. Nothing is
+    converted that is not already an integer: floats (NaN too), bools and arrays of the wrong rank
+    raise, naming the argument."""
     if isinstance(page_size, bool) or not isinstance(page_size, int | np.integer):
         raise TypeError(f"page_size must be an integer, got {page_size!r}")
     if not 1 <= page_size <= _I32_MAX:
@@ -220,27 +231,39 @@ def _validate(
     if int(qo.sum()) > _I32_MAX:  # query offsets are int32
         raise ValueError(f"qo_lens must sum to less than 2**31, got {int(qo.sum())}")
     num_pages = -(-kv // page_size)
+    width = int(num_pages.max(initial=0))
     if isinstance(block_tables, np.ndarray):
         _check_int_dtype("block_tables", block_tables)  # once for all rows
-        tables = [row[:n] for row, n in zip(block_tables, num_pages.tolist(), strict=True)]
-    else:
-        tables = [
-            # Integer numpy rows (the fast path) are taken as they are; anything else is checked.
-            (
-                row
-                if type(row) is np.ndarray and row.ndim == 1 and row.dtype.kind in "iu"
-                else _int_vector(f"block_tables[{i}]", row)
-            )[:n]
-            for i, (row, n) in enumerate(zip(block_tables, num_pages.tolist(), strict=True))
-        ]
+        if block_tables.shape[1] < width:
+            i = int(np.argmax(num_pages > block_tables.shape[1]))
+            raise ValueError(
+                f"request {i}: {block_tables.shape[1]} pages for kv_len {kv[i]}, needs {num_pages[i]}"
+            )
+        matrix = block_tables[:, :width]
+        # Every entry in range (unused ones too) is the common case and one pass; otherwise look at
+        # the used entries only.
+        if matrix.size and (matrix.min() < 0 or matrix.max() > _I32_MAX):
+            used = np.arange(width) < num_pages[:, None]
+            low, high = np.where(used, matrix, 0).min(), np.where(used, matrix, 0).max()
+            if low < 0 or high > _I32_MAX:
+                raise ValueError(f"page ids must be in [0, 2**31), got range [{low}, {high}]")
+        return kv, qo, matrix.astype(_I32, copy=False), page_size
+    tables = [
+        # Integer numpy rows (the fast path) are taken as they are; anything else is checked.
+        (
+            row
+            if type(row) is np.ndarray and row.ndim == 1 and row.dtype.kind in "iu"
+            else _int_vector(f"block_tables[{i}]", row)
+        )[:n]
+        for i, (row, n) in enumerate(zip(block_tables, num_pages.tolist(), strict=True))
+    ]
     for i, (pages, n) in enumerate(zip(tables, num_pages.tolist(), strict=True)):
         if pages.shape[0] < n:
             raise ValueError(f"request {i}: {pages.shape[0]} pages for kv_len {kv[i]}, needs {n}")
     used = np.concatenate(tables) if tables else np.zeros(0, dtype=_I32)
     if used.size and (used.min() < 0 or used.max() > _I32_MAX):
         raise ValueError(f"page ids must be in [0, 2**31), got range [{used.min()}, {used.max()}]")
-    tables = [pages.astype(_I32, copy=False) for pages in tables]
-    return kv, qo, tables, page_size
+    return kv, qo, [pages.astype(_I32, copy=False) for pages in tables], page_size
 
 
 def _int_vector(name: str, values: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -271,34 +294,36 @@ def _check_int_dtype(name: str, arr: np.ndarray) -> None:
         raise TypeError(f"{name} must hold integers, got {what}")
 
 
-def _sort_by_table(tables: list[np.ndarray], shareable: np.ndarray, active: np.ndarray) -> np.ndarray:
-    """Planned order: requests with queries sorted by their shareable pages, so that requests sharing a
-    prefix are contiguous (the DFS order of the trie); requests without queries last. Stable: equal
-    tables keep the engine's order."""
+def _sort_and_lcp(pages: Pages, shareable: np.ndarray, active: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(order, lcp). order: planned order, requests with queries sorted by their shareable pages, so
+    that requests sharing a prefix are contiguous (the DFS order of the trie), requests without
+    queries last; stable: equal tables keep the engine's order. lcp[i]: pages that planned requests
+    i and i+1 (both with queries) share at the start of their shareable pages."""
+    ids = np.flatnonzero(active)
+    inactive = np.flatnonzero(~active)
+    width = int(shareable.max(initial=0))
+    if ids.size < 2 or width == 0:
+        return np.concatenate([ids, inactive]), np.zeros(max(ids.size - 1, 0), dtype=np.int64)
     # Any fixed-width encoding of the page ids groups common prefixes: a byte string sorts next to the
-    # strings it shares a prefix with, and a prefix sorts before its extensions.
-    keys = [
-        (not a, t[:s].tobytes()) for t, s, a in zip(tables, shareable.tolist(), active.tolist(), strict=True)
-    ]
-    return np.array(sorted(range(len(tables)), key=keys.__getitem__), dtype=np.int64)
-
-
-def _neighbour_lcp(tables: list[np.ndarray], shareable: np.ndarray) -> np.ndarray:
-    """lcp[i]: pages that sorted requests i and i+1 share at the start of their shareable pages."""
-    n = len(tables)
-    if n < 2:
-        return np.zeros(0, dtype=np.int64)
-    bound = np.minimum(shareable[:-1], shareable[1:])
-    width = int(bound.max())
-    if width == 0:
-        return bound
-    # One padded matrix, width columns: no common prefix is longer than its shorter member.
-    padded = np.full((n, width), -1, dtype=_I32)
-    for row, table, length in zip(padded, tables, np.minimum(shareable, width).tolist(), strict=True):
-        row[:length] = table[:length]
+    # strings it shares a prefix with, and a prefix sorts before its extensions. (Small per-row byte
+    # strings: large temporary arrays cost more in page faults than the sort itself.)
+    keys = {i: pages[i][:s].tobytes() for i, s in zip(ids.tolist(), shareable[ids].tolist(), strict=True)}
+    ids = np.array(sorted(keys, key=keys.__getitem__), dtype=np.int64)
+    del keys  # before the matrix below takes their memory: a plan's peak allocation stays low
+    # Neighbours' first difference, on their shareable pages padded with -1 (never a page id).
+    share = shareable[ids]
+    if isinstance(pages, np.ndarray):
+        padded = pages[ids, :width]  # one gather, then the entries past each row's shareable pages
+        for i in np.flatnonzero(share < width).tolist():
+            padded[i, share[i] :] = -1
+    else:
+        padded = np.full((ids.shape[0], width), -1, dtype=_I32)
+        for row, i, n in zip(padded, ids.tolist(), share.tolist(), strict=True):
+            row[:n] = pages[i][:n]
     differ = padded[1:] != padded[:-1]
     first = np.where(differ.any(axis=1), differ.argmax(axis=1), width)
-    return np.minimum(first, bound)
+    lcp = np.minimum(first, np.minimum(share[:-1], share[1:]))
+    return np.concatenate([ids, inactive]), lcp
 
 
 def _lcp_intervals(lcp: np.ndarray) -> list[tuple[int, int, int]]:
@@ -321,7 +346,7 @@ def _lcp_intervals(lcp: np.ndarray) -> list[tuple[int, int, int]]:
 
 def _shared_level(
     nodes: list[_Node],
-    tables: list[np.ndarray],
+    pages: Pages,
     order: np.ndarray,
     qo_indptr: np.ndarray,
     page_size: int,
@@ -336,7 +361,7 @@ def _shared_level(
             group_pages.append(np.zeros(0, dtype=_I32))
         group_qo.append(int(qo_indptr[node.hi]))
         # Members share these pages by construction; any member's table gives them.
-        group_pages.append(tables[order[node.lo]][node.start : node.end])
+        group_pages.append(pages[order[node.lo]][node.start : node.end])
         position = node.hi
     if qo_indptr[-1] > qo_indptr[position]:
         group_qo.append(int(qo_indptr[-1]))
@@ -352,7 +377,7 @@ def _shared_level(
 
 
 def _unique_level(
-    tables: list[np.ndarray],
+    pages: Pages,
     order: np.ndarray,
     kv: np.ndarray,
     qo_planned: np.ndarray,
@@ -364,14 +389,12 @@ def _unique_level(
     queries). Always non-empty for a request with queries: shared segments stop before new tokens."""
     kv_planned = kv[order]
     end = np.where(qo_planned > 0, -(-kv_planned // page_size), shared_end)
-    pages = [
-        tables[r][s:e] for r, s, e in zip(order.tolist(), shared_end.tolist(), end.tolist(), strict=True)
-    ]
+    own = [pages[r][s:e] for r, s, e in zip(order.tolist(), shared_end.tolist(), end.tolist(), strict=True)]
     last = np.where(end > shared_end, kv_planned - (end - 1) * page_size, 0)
     return CascadeLevel(
         qo_indptr=qo_indptr.astype(_I32),
         kv_indptr=_indptr(end - shared_end),
-        kv_indices=_concat(pages),
+        kv_indices=_concat(own),
         kv_last_page_len=last.astype(_I32),
         causal=True,
     )

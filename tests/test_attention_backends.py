@@ -185,6 +185,25 @@ def test_compact_level_drops_groups_without_queries_or_kv() -> None:
     assert compact_level(without_gap).rows is None
 
 
+def test_small_decode_reaches_flashinfer_in_engine_order() -> None:
+    """The auto backend's FlashInfer route for small unshared decode skips the q gather and output
+    scatter: the planner leaves such a batch in the engine's order, even where sorting by table
+    would reorder it; a cascade plan is permuted and keeps them."""
+    from prefix_cache.attention.auto_backend import Routing, choose_route
+    from prefix_cache.attention.base import in_engine_order
+
+    tables = [np.arange(40 * i, 40 * i + 20) for i in (3, 0, 2, 1)]  # out of page order
+    plan = CascadePlanner().plan(tables, [300, 310, 20, 5], [1, 1, 1, 1], 16)
+    assert len(plan.levels) == 1 and in_engine_order(plan.query_order)
+    assert choose_route(plan, 4, Routing()) == "flashinfer"
+    shared = [np.array([*range(32), 100 + i]) for i in (3, 0, 2, 1)]
+    cascade = CascadePlanner(min_shared_tokens=256, min_saved_tokens=0).plan(
+        [np.arange(200, 240), *shared], [600] + [520] * 4, [1] * 5, 16
+    )
+    assert len(cascade.levels) == 2 and not in_engine_order(cascade.query_order)
+    assert not in_engine_order(np.array([1, 0])) and in_engine_order(np.zeros(0, dtype=np.int64))
+
+
 def test_create_backend() -> None:
     assert isinstance(create_backend("torch"), TorchBackend)
     with pytest.raises(ValueError, match="unknown attention backend"):
@@ -319,7 +338,10 @@ def test_fixed_capacity_rejects_what_does_not_fit() -> None:
         backend.plan(ok, num_qo_heads=4, num_kv_heads=1, head_dim=16)
     backend.plan(ok, **heads)  # the buffers still serve plans that fit
     kv_cache = torch.randn(2, 2, 16, 1, 16, device=device)
-    assert backend.run(torch.randn(4, 2, 16, device=device), kv_cache).isfinite().all()
+    # q padded to the capacity's 4 rows: the plan's 3 are computed, the padding row is left as it was.
+    out = torch.full((4, 2, 16), 7.0, device=device)
+    backend.run(torch.randn(4, 2, 16, device=device), kv_cache, out=out)
+    assert out[:3].isfinite().all() and (out[:3] != 7.0).all() and (out[3] == 7.0).all()
 
 
 @pytest.mark.gpu

@@ -169,6 +169,42 @@ def test_calibrated_cost_model_chooses_the_faster_plan() -> None:
     assert len(plan_of(decode_batch([(16, 8)], unique_pages=16), CascadePlanner(cost_model=None)).levels) == 2
 
 
+@given(batch=batches(), planner=planners)
+@settings(max_examples=60, deadline=None)
+def test_one_level_plans_keep_the_engine_order(batch: Batch, planner: CascadePlanner) -> None:
+    """A backend may skip the q gather and output scatter of a one-level plan: the planner keeps the
+    engine's order there (requests without queries last), so its query_order is the identity."""
+    plan = plan_of(batch, planner)
+    if len(plan.levels) > 1:
+        return
+    active = batch.qo_lens > 0
+    assert plan.request_order.tolist() == [*np.flatnonzero(active), *np.flatnonzero(~active)]
+    assert plan.query_order.tolist() == list(range(int(batch.qo_lens.sum())))
+
+
+def test_one_level_plan_of_shared_prefix_keeps_the_engine_order() -> None:
+    """The cost model folds 256 tokens shared by 8 decodes into one level; two such groups
+    interleaved (which sorting by table would pull apart), with a request without queries among
+    them: the engine's order stands, that request last."""
+    first = decode_batch([(16, 8)], unique_pages=16)
+    second = decode_batch([(16, 8)], unique_pages=16)
+    tables: list[np.ndarray] = []
+    for a, b in zip(first.block_tables, second.block_tables, strict=True):
+        tables += [a, b + first.num_pages]
+    kv = np.repeat(first.kv_lens, 2)
+    qo = np.ones(16, dtype=np.int64)
+    qo[3] = 0
+    batch = Batch(tables, kv, qo, first.page_size, 2 * first.num_pages)
+    plan = plan_of(batch)
+    assert len(plan.levels) == 1
+    assert plan.request_order.tolist() == [*range(3), *range(4, 16), 3]
+    assert plan.query_order.tolist() == list(range(15))
+    # Sorted by table, as a two-level plan would be, the groups are contiguous.
+    sorted_plan = plan_of(batch, THRESHOLDS)
+    assert len(sorted_plan.levels) == 2
+    assert sorted_plan.request_order.tolist()[:8] == list(range(0, 16, 2))
+
+
 def test_nested_sharing_makes_nested_levels() -> None:
     # A 512-token system prompt shared by 32 requests; 4 conversations of 1024 more tokens, 8 samples each.
     tables, page = [], 1000
@@ -240,6 +276,10 @@ NAN = float("nan")
         ([[0]], [1, 1], [1, 1], 16, ValueError, "one entry per request"),
         ([[-1]], [1], [1], 16, ValueError, "page ids"),
         ([[2**31]], [1], [1], 16, ValueError, "page ids"),
+        # The same through a 2-D array (checked as a whole, not row by row).
+        (np.array([[0]]), [17], [1], 16, ValueError, "request 0: 1 pages for kv_len 17, needs 2"),
+        (np.array([[0, 1], [-1, 5]]), [17, 17], [1, 1], 16, ValueError, r"page ids .* range \[-1, 5\]"),
+        (np.array([[2**31, 0]]), [1], [1], 16, ValueError, "page ids"),
         # Nothing is converted: NaN, floats, bools and extra dimensions are refused by name.
         ([np.array([NAN])], [1], [1], 16, TypeError, r"block_tables\[0\]"),
         (np.array([[0.0, NAN]]), [17], [1], 16, TypeError, "block_tables"),
@@ -265,6 +305,20 @@ NAN = float("nan")
 def test_invalid_input(tables: list, kv: list, qo: list, page_size: int, error: type, message: str) -> None:
     with pytest.raises(error, match=message):
         CascadePlanner().plan(tables, kv, qo, page_size)
+
+
+def test_entries_past_the_used_pages_are_not_checked() -> None:
+    """Rows of a 2-D table padded past a request's pages (with -1, or anything) plan like the pages."""
+    clean = [np.arange(40), np.arange(20)]
+    padded = np.full((2, 48), -1, dtype=np.int64)
+    padded[0, :40], padded[1, :20] = clean
+    padded[1, 30] = 2**40
+    planner = CascadePlanner(min_shared_tokens=16, min_saved_tokens=0)
+    want = planner.plan(clean, [640, 320], [1, 1], 16)
+    got = planner.plan(padded, [640, 320], [1, 1], 16)
+    assert len(got.levels) == len(want.levels) == 2
+    for a, b in zip(got.levels, want.levels, strict=True):
+        assert a.kv_indices.tolist() == b.kv_indices.tolist() and a.qo_indptr.tolist() == b.qo_indptr.tolist()
 
 
 def test_integer_inputs_of_any_width_and_container_plan_alike() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+import numpy as np
 import torch
 
 from prefix_cache.attention.kv_layout import KVCache, split_kv_cache
@@ -162,6 +163,12 @@ def check_run_tensors(backend: AttentionBackend, plan: CascadePlan, q: torch.Ten
         raise ValueError(f"q is on {q.device}, kv_cache on {k.device}")
     if q.stride(-1) != 1:
         raise ValueError("the head_dim axis of q must be contiguous")
+
+
+def in_engine_order(query_order: np.ndarray) -> bool:
+    """True when planned query token t is the engine's token t for every t (``CascadePlanner``'s
+    one-level plans): a backend then passes q and its output through without a gather or scatter."""
+    return bool(np.array_equal(query_order, np.arange(query_order.shape[0])))
 
 
 def to_planned_order(x: torch.Tensor, query_order: torch.Tensor) -> torch.Tensor:

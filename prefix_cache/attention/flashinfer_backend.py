@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from prefix_cache.attention.base import AttentionBackend, to_planned_order
+from prefix_cache.attention.base import AttentionBackend, in_engine_order, to_planned_order
 from prefix_cache.cascade import CascadeLevel, CascadePlan
 
 _FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
@@ -105,6 +105,7 @@ class FlashInferBackend(AttentionBackend):
         self._levels: list[CompactLevel] = []
         self._rows: list[torch.Tensor | None] = []
         self._query_order = torch.zeros(0, dtype=torch.int64)
+        self._in_order = True
         self._planned_dtype: torch.dtype | None = None
         self._decode = None  # made on first use
         self._decode_wrapper = None  # the decode wrapper when the current plan is plain decode
@@ -119,7 +120,10 @@ class FlashInferBackend(AttentionBackend):
             None if level.rows is None else torch.from_numpy(level.rows).to(self._device)
             for level in self._levels
         ]
-        self._query_order = torch.from_numpy(plan.query_order).to(self._device)
+        # One-level plans come in the engine's order: no q gather, no output scatter.
+        self._in_order = in_engine_order(plan.query_order)
+        if not self._in_order:
+            self._query_order = torch.from_numpy(plan.query_order).to(self._device)
         self._planned_dtype = None
         self._decode_wrapper = None
         if self.dtype is not None and plan.num_query_tokens:
@@ -138,14 +142,17 @@ class FlashInferBackend(AttentionBackend):
             self._plan_flashinfer(q.dtype, plan.page_size)
         # FlashInfer takes the 5-D NHD tensor or a (k, v) pair of 4-D tensors, reading page strides.
         paged = kv_cache if isinstance(kv_cache, torch.Tensor) else (k, v)
-        q_planned = to_planned_order(q, self._query_order)
+        q_planned = q.contiguous() if self._in_order else to_planned_order(q, self._query_order)
         if self._decode_wrapper is not None:
             result = self._decode_wrapper.run(q_planned, paged)
         elif self._use_cascade_wrapper():
             result = self._cascade_wrappers[len(self._levels)].run(q_planned, paged)
         else:
             result = self._run_levels(q_planned, paged)
-        out.index_copy_(0, self._query_order, result)
+        if self._in_order:
+            out.copy_(result)
+        else:
+            out.index_copy_(0, self._query_order, result)
 
     def _use_decode_wrapper(self) -> bool:
         """One causal level where every query token is its own group's only one: plain decode, which

@@ -26,7 +26,10 @@ def split_kv_cache(kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
                 "kv_cache must be [num_pages, 2, page_size, num_kv_heads, head_dim] or a (k, v) pair, "
                 f"got shape {tuple(kv_cache.shape)}"
             )
-        k, v = kv_cache[:, 0], kv_cache[:, 1]
+        if kv_cache.stride(-1) != 1:
+            raise ValueError("the head_dim axis of the KV cache must be contiguous")
+        k, v = kv_cache.unbind(1)
+        return k, v
     elif isinstance(kv_cache, tuple | list) and len(kv_cache) == 2:
         k, v = kv_cache
         if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor):

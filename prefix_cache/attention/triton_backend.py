@@ -24,9 +24,9 @@ import torch
 
 from prefix_cache.attention.base import AttentionBackend
 from prefix_cache.cascade import CascadePlan
-from prefix_cache.kernels._common import LOG2E, check_runnable, num_sms
-from prefix_cache.kernels.attention import launch_attention
-from prefix_cache.kernels.merge_state import launch_merge
+from prefix_cache.kernels._common import LOG2E, interpreting, num_sms
+from prefix_cache.kernels.attention import AttentionLaunch
+from prefix_cache.kernels.merge_state import MergeLaunch
 from prefix_cache.kernels.work import (
     MAX_SPLITS,
     OROW,
@@ -177,6 +177,13 @@ class TritonBackend(AttentionBackend):
         self._part_o: torch.Tensor | None = None
         self._part_lse: torch.Tensor | None = None
         self._fixed_shape: tuple | None = None  # (heads, head_dim, page_size, sm_scale) of the buffers
+        # The launches bound to one dtype (made by plan when it is given the dtype, else by run).
+        self._bound_dtype: torch.dtype | None = None
+        self._attention_launches: list[AttentionLaunch] = []
+        self._merge_launch: MergeLaunch | None = None
+        self._qk_scale = 0.0
+        self._runnable = True  # False for CPU tensors outside Triton's interpreter
+        self._stores: dict[str, torch.Tensor] = {}  # device buffers of exact plans (see _reuse)
 
     # ------------------------------------------------------------------------------------------
     # plan
@@ -200,6 +207,10 @@ class TritonBackend(AttentionBackend):
         else:
             self._prepare_fixed(plan, levels, order)
         self._max_page = max((level.max_page for level in levels), default=-1)
+        self._bound_dtype = None
+        self._runnable = self.device.type != "cpu" or interpreting()
+        if self.dtype is not None:
+            self._bind_launches(self.dtype, plan.page_size)
 
     def _tile_for(self, level, tiles: tuple[TileConfig, ...] | None) -> TileConfig:
         group = self.num_qo_heads // self.num_kv_heads
@@ -242,14 +253,25 @@ class TritonBackend(AttentionBackend):
         if self._direct:
             # The only partial state is the final one: write it to the output's engine-order rows.
             host[sec.o_rows : sec.o_rows + nq] = order
-        self._ints = torch.empty(sec.size, dtype=torch.int32, device=self.device)
+        self._ints = self._reuse("ints", sec.size, torch.int32)
         self._upload.copy(self._ints, sec.size)
         self._bind(sec, tiles, exact=True)
         num_rows = nq if self._direct else int(rows_per_token.sum())
+        heads, dim = self.num_qo_heads, self.head_dim
         self._part_o = (
-            None if self._direct else self._float_buffer((num_rows, self.num_qo_heads, self.head_dim))
+            None if self._direct else self._reuse("o", num_rows * heads * dim).view(num_rows, heads, dim)
         )
-        self._part_lse = self._float_buffer((num_rows, self.num_qo_heads))
+        self._part_lse = self._reuse("lse", num_rows * heads).view(num_rows, heads)
+
+    def _reuse(self, name: str, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The first ``numel`` elements of a device buffer kept across exact plans, grown (doubling)
+        when too small: a step's plan allocates nothing in the steady state. Kernels of the previous
+        step that still read it run earlier on the same stream."""
+        store = self._stores.get(name)
+        if store is None or store.numel() < numel:
+            size = max(numel, 0 if store is None else 2 * store.numel())
+            store = self._stores[name] = torch.empty(size, dtype=dtype, device=self.device)
+        return store[:numel]
 
     def _float_buffer(self, shape: tuple[int, ...]) -> torch.Tensor:
         return torch.empty(shape, dtype=torch.float32, device=self.device)
@@ -358,6 +380,27 @@ class TritonBackend(AttentionBackend):
     # ------------------------------------------------------------------------------------------
     # run
 
+    def _bind_launches(self, dtype: torch.dtype, page_size: int) -> None:
+        """Fix the grids and compile-time constants of the plan's launches for ``dtype``: a run then
+        only reads strides and launches."""
+        group = self.num_qo_heads // self.num_kv_heads
+        self._attention_launches = [
+            AttentionLaunch(
+                num_programs=launch.num_programs,
+                group_size=group,
+                tile=launch.tile,
+                num_kv_heads=self.num_kv_heads,
+                page_size=page_size,
+                head_dim=self.head_dim,
+                dtype=dtype,
+            )
+            for launch in self._launches
+        ]
+        assert self._starts is not None
+        self._merge_launch = MergeLaunch(self._starts.shape[0], self.num_qo_heads, self.head_dim)
+        self._qk_scale = self.sm_scale * LOG2E
+        self._bound_dtype = dtype
+
     def _run(self, plan, q, kv_cache, k, v, out) -> None:
         if q.device != self.device:
             raise ValueError(f"q and kv_cache must be on {self.device} (the plan's device), got {q.device}")
@@ -367,24 +410,25 @@ class TritonBackend(AttentionBackend):
             )
         if plan.num_query_tokens == 0 and self.capacity is None:
             return
-        if self.device.type == "cpu":
-            check_runnable(q, k, v, out)  # the interpreter only
+        if not self._runnable:
+            raise RuntimeError("Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors")
+        if q.dtype != self._bound_dtype:
+            self._bind_launches(q.dtype, plan.page_size)
         self.launch_levels(q, k, v, out)
         if not self._direct:
             self.merge(out)
 
     def launch_levels(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
-        """The attention launches of the plan (arguments checked by ``run``)."""
-        group = self.num_qo_heads // self.num_kv_heads
+        """The attention launches of the plan (arguments checked by ``run``, launches bound to q's
+        dtype)."""
         part_o = out if self._direct else self._part_o
-        qk_scale = self.sm_scale * LOG2E
-        for launch in self._launches:
-            launch_attention(
+        for launch, bound in zip(self._launches, self._attention_launches, strict=True):
+            bound(
                 q, self._q_rows, k, v, self._kv_indices, launch.work, launch.num_work, self._o_rows,
-                part_o, self._part_lse, qk_scale=qk_scale, num_programs=launch.num_programs,
-                group_size=group, tile=launch.tile,
+                part_o, self._part_lse, self._qk_scale,
             )  # fmt: skip
 
     def merge(self, out: torch.Tensor) -> None:
         """Merge the partial states into ``out``'s engine-order rows."""
-        launch_merge(self._part_o, self._part_lse, self._starts, self._counts, out, self._q_rows)
+        assert self._merge_launch is not None
+        self._merge_launch(self._part_o, self._part_lse, self._starts, self._counts, out, self._q_rows)
