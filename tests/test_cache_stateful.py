@@ -378,7 +378,8 @@ class CacheMachine(RuleBasedStateMachine):
         assert [x.seq.num_allocated_tokens for x in batch] == [n + 1 for n in slots]
         # Commit the next token of those whose slot is the next uncommitted one.
         ready = [x for x in batch if x.seq.num_tokens == x.seq.num_allocated_tokens - 1]
-        streams = [(x.pending or [tokens[i]])[:1] for i, x in enumerate(ready)]
+        # More than 24 sequences can be ready: the drawn tokens are reused in turn.
+        streams = [(x.pending or [tokens[i % len(tokens)]])[:1] for i, x in enumerate(ready)]
         for live, stream in zip(ready, streams, strict=True):
             self.write_kv(live, stream)
         self.cache.commit_batch([x.seq for x in ready], [stream[0] for stream in streams])
