@@ -5,7 +5,8 @@ the conversation so far, carrying the engine's own earlier replies as token ids 
 is reused by the next turn). ``--clients`` conversations are in flight at once, each sending its next
 turn when the last reply finished; ``--request-rate`` starts conversations at Poisson times instead.
 Reply lengths follow the dataset's replies (``ignore_eos``), capped. The same requests run under each
-configuration (prefix cache on / off, cascade on / off, each backend), one after the other, in process.
+configuration (prefix cache on / off, cascade on / off, each backend, CUDA graphs for decode steps on /
+off), one after the other, in process.
 
     python benchmarks/bench_serving.py                       # CPU, SmolLM2-135M real weights, a few minutes
     python benchmarks/bench_serving.py --model dummy-8b --device cuda --backends triton \\
@@ -13,8 +14,9 @@ configuration (prefix cache on / off, cascade on / off, each backend), one after
 
 Reported per configuration: successful requests, duration, request / input / output token throughput,
 mean / median / p99 TTFT, TPOT, ITL and end-to-end latency, prefix-cache hit rate, shared levels per
-step, preemptions, peak pages. With a dummy model the outputs are meaningless (random weights at real
-shapes); the timings are real. Writes NAME.md, NAME.json and NAME.png under --out-dir.
+step, preemptions, peak pages, steps replayed from CUDA graphs. With a dummy model the outputs are
+meaningless (random weights at real shapes); the timings are real. Writes NAME.md, NAME.json and
+NAME.png under --out-dir.
 """
 
 from __future__ import annotations
@@ -294,6 +296,7 @@ def summarize(done: list[Done], duration: float, engine: LLMEngine, steps: int) 
         "prefill_tokens_computed": st.prefill_tokens,
         "shared_levels_per_step": st.shared_levels / max(st.steps, 1),
         "steps": steps,
+        "graph_steps": st.graph_steps,
         "preemptions": engine.scheduler.num_preemptions,
         "peak_pages_in_use": st.peak_pages_in_use,
         "num_pages": engine.cache.num_pages,
@@ -350,18 +353,22 @@ def markdown(results: list[dict], meta: dict) -> str:
         lines.append("- **dummy weights** (random, real shapes): outputs are meaningless, timings are real")
     lines += [
         "",
-        "| config | backend | ok | s | req/s | in tok/s | out tok/s | TTFT mean / med / p99 ms "
+        "| config | backend | graphs | ok | s | req/s | in tok/s | out tok/s | TTFT mean / med / p99 ms "
         "| TPOT mean / med / p99 ms | ITL mean / med / p99 ms | E2E mean / med / p99 ms | hit rate "
         "| shared lv/step | preempt | peak pages |",
-        "|" + "---|" * 15,
+        "|" + "---|" * 16,
     ]
+
+    def graphs(r: dict) -> str:
+        return f"{r['graph_steps']} / {r['steps']}" if r["graphs"] else "off"
+
     for r in results:
 
         def trio(k: str, r: dict = r) -> str:
             return " / ".join(ms(r[k], x) for x in ("mean", "median", "p99"))
 
         lines.append(
-            f"| {r['config']} | {r['backend']} "
+            f"| {r['config']} | {r['backend']} | {graphs(r)} "
             f"| {r['successful_requests']}{'*' if r['time_limited'] else ''} "
             f"| {r['duration_s']:.1f} "
             f"| {r['request_throughput']:.2f} | {r['input_throughput']:.0f} | {r['output_throughput']:.1f} "
@@ -376,7 +383,8 @@ def markdown(results: list[dict], meta: dict) -> str:
     lines.append(
         "\nok: successful requests; s: duration; hit rate: prompt tokens found in the prefix cache; "
         "shared lv/step: cascade levels over shared prefixes per engine step; peak pages: most pages holding "
-        "KV of running requests, of the pool."
+        "KV of running requests, of the pool; graphs: engine steps replayed from a CUDA graph (decode-only "
+        "steps on CUDA), of all steps, or off (every step eager)."
     )
     return "\n".join(lines) + "\n"
 
@@ -389,7 +397,7 @@ def plot(results: list[dict], path: Path, title: str) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    names = [f"{r['config']}\n{r['backend']}" for r in results]
+    names = [f"{r['config']}\n{r['backend']}" + ("" if r["graphs"] else "\neager") for r in results]
     fig, (a, b) = plt.subplots(1, 2, figsize=(4 + 1.6 * len(results), 4))
     a.bar(names, [r["ttft_ms"]["mean"] for r in results], color="tab:blue")
     a.set_ylabel("mean TTFT (ms)")
@@ -401,12 +409,66 @@ def plot(results: list[dict], path: Path, title: str) -> bool:
     return True
 
 
+def run_config(
+    model: object,
+    chat: ChatFormat,
+    system: np.ndarray,
+    conversations: list[Conversation],
+    warm: list[Conversation],
+    args: argparse.Namespace,
+    backend: str,
+    name: str,
+    graphs: str,
+) -> dict:
+    """One configuration on a new engine: warm-up, then the measured replay; its result row."""
+    caching, cascade = CONFIGS[name]
+    config = EngineConfig(
+        num_pages=args.num_pages,
+        page_size=args.page_size,
+        backend=backend,
+        cascade=cascade,
+        scheduler=SchedulerConfig(args.max_batched_tokens, args.max_num_seqs, caching),
+        cuda_graphs=graphs == "on",
+    )
+    engine = LLMEngine(model, config, chat.stop_token_ids)
+    warm_up(engine, chat, system, warm, args)
+    run = replay_http if args.http else replay
+    done, duration, steps, stopped = run(engine, chat, system, conversations, args)
+    engine.check_invariants()
+    requests = sum(len(c.turns) for c in conversations)
+    # The limit cut the run short only if some turns were never sent.
+    row = {
+        "config": name,
+        "backend": backend,
+        "graphs": engine.graphs is not None,
+        "time_limited": stopped and len(done) < requests,
+    }
+    row.update(summarize(done, duration, engine, steps))
+    print(
+        f"{name:14s} {backend:8s} graphs {graphs:3s} {row['duration_s']:7.1f} s  "
+        f"TTFT mean {row['ttft_ms']['mean']:8.1f} ms  "
+        f"TPOT mean {row['tpot_ms']['mean'] or 0:7.1f} ms  "
+        f"out {row['output_throughput']:8.1f} tok/s  "
+        f"hit {row['prefix_cache_hit_rate']:.1%}  shared/step {row['shared_levels_per_step']:.2f}  "
+        f"graph steps {row['graph_steps']}/{row['steps']}  "
+        f"preempt {row['preemptions']}" + ("  (time limit)" if stopped else ""),
+        flush=True,
+    )
+    return row
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2", help="smollm2 (real weights), dummy-8b or dummy-1b")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--backends", default="torch", help="comma-separated: torch, triton, flashinfer")
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated of {', '.join(CONFIGS)}")
+    ap.add_argument(
+        "--graphs",
+        default="on",
+        help="comma-separated on / off: CUDA graphs for decode steps (CUDA with triton or auto only); "
+        "'on,off' runs each configuration both ways, one after the other",
+    )
     ap.add_argument("--conversations", type=int, default=12)
     ap.add_argument("--max-turns", type=int, default=3)
     ap.add_argument("--clients", type=int, default=6, help="conversations in flight at once")
@@ -439,6 +501,9 @@ def main(argv: list[str] | None = None) -> int:
     for c in configs:
         if c not in CONFIGS:
             ap.error(f"--configs: unknown {c!r}; known: {', '.join(CONFIGS)}")
+    graph_modes = args.graphs.split(",")
+    if not set(graph_modes) <= {"on", "off"}:
+        ap.error(f"--graphs: on, off or both comma-separated, got {args.graphs!r}")
     if args.threads:
         torch.set_num_threads(args.threads)
     model, chat = load_model(args.model, args.device, tokenizer_path=args.tokenizer, num_layers=args.layers)
@@ -486,38 +551,15 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for backend in args.backends.split(","):
         for name in configs:
-            caching, cascade = CONFIGS[name]
-            config = EngineConfig(
-                num_pages=args.num_pages,
-                page_size=args.page_size,
-                backend=backend,
-                cascade=cascade,
-                scheduler=SchedulerConfig(args.max_batched_tokens, args.max_num_seqs, caching),
-            )
-            engine = LLMEngine(model, config, chat.stop_token_ids)
-            warm_up(engine, chat, system, warm, args)
-            run = replay_http if args.http else replay
-            done, duration, steps, stopped = run(engine, chat, system, conversations, args)
-            engine.check_invariants()
-            # The limit cut the run short only if some turns were never sent.
-            row = {"config": name, "backend": backend, "time_limited": stopped and len(done) < requests}
-            row.update(summarize(done, duration, engine, steps))
-            results.append(row)
-            print(
-                f"{name:14s} {backend:8s} {row['duration_s']:7.1f} s  "
-                f"TTFT mean {row['ttft_ms']['mean']:8.1f} ms  "
-                f"TPOT mean {row['tpot_ms']['mean'] or 0:7.1f} ms  "
-                f"out {row['output_throughput']:8.1f} tok/s  "
-                f"hit {row['prefix_cache_hit_rate']:.1%}  shared/step {row['shared_levels_per_step']:.2f}  "
-                f"preempt {row['preemptions']}" + ("  (time limit)" if stopped else ""),
-                flush=True,
-            )
-            del engine
-            if args.device.startswith("cuda"):
-                torch.cuda.empty_cache()
-            # Written after every configuration, so that a run cut short keeps what it measured.
-            (out / f"{stem}.md").write_text(markdown(results, meta))
-            (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+            for mode in graph_modes:
+                results.append(
+                    run_config(model, chat, system, conversations, warm, args, backend, name, mode)
+                )
+                if args.device.startswith("cuda"):
+                    torch.cuda.empty_cache()
+                # Written after every configuration, so that a run cut short keeps what it measured.
+                (out / f"{stem}.md").write_text(markdown(results, meta))
+                (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     drew = plot(results, out / f"{stem}.png", f"{meta['model']} on {machine}")
     print(markdown(results, meta))
     print(f"wrote {out / stem}.md, .json" + (", .png" if drew else " (no matplotlib: no PNG)"))

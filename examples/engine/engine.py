@@ -4,7 +4,11 @@ Per step: the scheduler picks samples and allocates their pages; one cascade pla
 ``backend.plan`` once; the model's forward writes each new token's K/V into its page and runs
 ``backend.run`` per layer; the next tokens are sampled; the computed tokens are ``commit``-ted, so
 newly full pages become matchable; finished samples are closed, their full pages staying cached for
-the conversation's next turn. Decode runs eagerly (no CUDA graphs yet).
+the conversation's next turn.
+
+On CUDA with the Triton route (backend "auto" or "triton"), a step whose batch is all single-token
+chunks (decodes) is replayed from a CUDA graph of its batch-size bucket (``cuda_graphs.py``); prefill
+and mixed steps, a decode plan over its bucket's capacity, and everything on the CPU run eagerly.
 """
 
 from __future__ import annotations
@@ -16,9 +20,10 @@ from itertools import count
 import numpy as np
 import torch
 
-from prefix_cache import CascadePlanner, PrefixCache
+from prefix_cache import CascadePlan, CascadePlanner, PrefixCache
 from prefix_cache.attention import create_backend
 
+from .cuda_graphs import DecodeGraphs
 from .model import LlamaModel
 from .request import Request, Sample, SamplingParams, Status
 from .sampling import sample_tokens
@@ -27,8 +32,14 @@ from .scheduler import Scheduler, SchedulerConfig
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """num_pages, page_size: the KV pool; backend: "torch", "triton" or "flashinfer"; cascade: False
-    plans a single level (plain paged attention); planner: the cascade cost model's thresholds."""
+    """num_pages, page_size: the KV pool; backend: "auto", "torch", "triton" or "flashinfer"; cascade:
+    False plans a single level (plain paged attention); planner: the cascade cost model's thresholds.
+
+    cuda_graphs: replay decode-only steps from CUDA graphs (CUDA, backend "auto" or "triton" only).
+    graph_max_pages_per_seq: a graph bucket of B decodes takes plans listing up to B times this many
+        page ids over all levels (more: that step runs eagerly); None: ``num_pages``, so every plan fits
+        (device buffers of 4 bytes per page id, per bucket).
+    """
 
     num_pages: int = 2048
     page_size: int = 16
@@ -36,6 +47,8 @@ class EngineConfig:
     cascade: bool = True
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     planner: CascadePlanner = field(default_factory=CascadePlanner)
+    cuda_graphs: bool = True
+    graph_max_pages_per_seq: int | None = None
 
 
 @dataclass
@@ -46,6 +59,7 @@ class EngineStats:
     shared_levels: int = 0  # summed over steps
     prefill_tokens: int = 0  # query tokens of chunks that were not a single decode token
     decode_tokens: int = 0
+    graph_steps: int = 0  # steps replayed from (or captured into) a CUDA graph
     peak_pages_in_use: int = 0  # pages holding KV of live sequences (not free, not merely cached)
     peak_running: int = 0
 
@@ -64,6 +78,15 @@ class LLMEngine:
             planner = CascadePlanner(planner.min_shared_tokens, planner.min_saved_tokens, max_levels=1)
         self.planner = planner
         self.backend = create_backend(config.backend, device=model.device)
+        self.graphs: DecodeGraphs | None = None
+        if config.cuda_graphs and model.device.type == "cuda" and config.backend in ("auto", "triton"):
+            self.graphs = DecodeGraphs(
+                model,
+                self.kv_pool,
+                max_batch=config.scheduler.max_num_seqs,
+                max_levels=planner.max_levels,
+                max_pages_per_seq=config.graph_max_pages_per_seq or config.num_pages,
+            )
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self._ids = count()
@@ -106,7 +129,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        cache, ps, device = self.cache, self.config.page_size, self.model.device
+        cache, ps = self.cache, self.config.page_size
         qo_lens = np.array([n for _, n in batch], dtype=np.int64)
         starts = np.array([s.num_computed for s, _ in batch], dtype=np.int64)
         tokens = np.concatenate([s.tokens[a : a + n] for (s, n), a in zip(batch, starts, strict=True)])
@@ -119,25 +142,15 @@ class LLMEngine:
             ]
         )
         plan = self.planner.plan(tables, starts + qo_lens, qo_lens, ps)
-        cfg = self.model.config
-        self.backend.plan(
-            plan, num_qo_heads=cfg.num_qo_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim
-        )
         # A sample gets a next token when this chunk reaches the end of its known tokens.
         done = [i for i, (s, n) in enumerate(batch) if s.num_computed + n == s.num_tokens]
         rows = (np.cumsum(qo_lens) - 1)[done]
-
-        def to_device(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(a).to(device)
-
-        logits = self.model.forward(
-            to_device(tokens.astype(np.int64)),
-            to_device(positions),
-            to_device(slots),
-            self.kv_pool,
-            self.backend,
-            to_device(rows),
-        )
+        logits = None
+        if self.graphs is not None and bool((qo_lens == 1).all()):
+            logits = self.graphs.run(plan, tokens, positions, slots, rows)
+            self.stats.graph_steps += logits is not None
+        if logits is None:
+            logits = self._forward_eagerly(plan, tokens, positions, slots, rows)
         sampled = [batch[i][0] for i in done]
         next_tokens = sample_tokens(logits, sampled)
         now = time.perf_counter()
@@ -149,6 +162,31 @@ class LLMEngine:
         for s, token in zip(sampled, next_tokens, strict=True):
             self._append(s, token, now)
         return sampled
+
+    def _forward_eagerly(
+        self,
+        plan: CascadePlan,
+        tokens: np.ndarray,
+        positions: np.ndarray,
+        slots: np.ndarray,
+        rows: np.ndarray,
+    ) -> torch.Tensor:
+        cfg, device = self.model.config, self.model.device
+        self.backend.plan(
+            plan, num_qo_heads=cfg.num_qo_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim
+        )
+
+        def to_device(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(device)
+
+        return self.model.forward(
+            to_device(tokens.astype(np.int64)),
+            to_device(positions),
+            to_device(slots),
+            self.kv_pool,
+            self.backend,
+            to_device(rows),
+        )
 
     def _append(self, s: Sample, token: int, now: float) -> None:
         request, params = s.request, s.request.params

@@ -35,7 +35,8 @@ class LlamaModel:
         self.final_norm = final_norm  # [hidden]
         self.lm_head = lm_head  # [vocab, hidden]; the embedding itself when tied
         self.device, self.dtype = embed.device, embed.dtype
-        self._rope_cos = self._rope_sin = torch.zeros(0, config.head_dim, device=self.device)
+        exponents = torch.arange(0, config.head_dim, 2, device=self.device).float() / config.head_dim
+        self._inv_freq = 1.0 / config.rope_theta**exponents  # [head_dim / 2] float32
 
     @classmethod
     def from_gguf_weights(
@@ -111,24 +112,11 @@ class LlamaModel:
         return [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(c.num_layers)]
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for ``positions`` ([T] int64), each [T, 1, head_dim] in the model's dtype."""
-        need = int(positions.max()) + 1 if positions.numel() else 0
-        if need > self._rope_cos.shape[0]:
-            c = self.config
-            size = max(need, 2 * self._rope_cos.shape[0], 4096)
-            inv_freq = 1.0 / (
-                c.rope_theta
-                ** (
-                    torch.arange(0, c.head_dim, 2, dtype=torch.int64, device=self.device).float() / c.head_dim
-                )
-            )
-            freqs = torch.arange(size, device=self.device, dtype=torch.float32)[:, None] * inv_freq[None, :]
-            emb = torch.cat([freqs, freqs], dim=-1)
-            self._rope_cos, self._rope_sin = emb.cos(), emb.sin()
-        return (
-            self._rope_cos[positions].to(self.dtype)[:, None, :],
-            self._rope_sin[positions].to(self.dtype)[:, None, :],
-        )
+        """cos, sin for ``positions`` ([T] int64), each [T, 1, head_dim] in the model's dtype. Computed
+        from the positions on the device (no table to grow, no host sync: CUDA graphs capture it)."""
+        freqs = positions.to(torch.float32)[:, None] * self._inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos().to(self.dtype)[:, None, :], emb.sin().to(self.dtype)[:, None, :]
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -154,7 +142,8 @@ class LlamaModel:
         """One step over a batch already planned on ``backend``.
 
         tokens, positions, slots: int64 [T] on the model's device, in the engine's request order; a
-            token's KV goes to page ``slot // page_size`` at offset ``slot % page_size``.
+            token's KV goes to page ``slot // page_size`` at offset ``slot % page_size`` (slot -1: not
+            stored, a padding token).
         logit_rows: int64 [R], the rows of the batch whose next-token logits are wanted.
         Returns float32 logits [R, vocab].
         """
@@ -162,9 +151,9 @@ class LlamaModel:
         hq, hkv, hd = c.num_qo_heads, c.num_kv_heads, c.head_dim
         cos, sin = self._rope(positions)
         if not kv_pool[0].is_cuda:  # torch indexing writes the KV on the CPU
-            page_size = kv_pool[0].shape[2]
-            pages, offsets = slots // page_size, slots % page_size
-        x = self.embed[tokens]
+            page_size, stored = kv_pool[0].shape[2], slots >= 0
+            pages, offsets = slots[stored] // page_size, slots[stored] % page_size
+        x = F.embedding(tokens, self.embed)
         for layer, kv in zip(self.layers, kv_pool, strict=True):
             h = self._rms_norm(x, layer["attn_norm"])
             qkv = F.linear(h, layer["wqkv"])
@@ -177,8 +166,8 @@ class LlamaModel:
 
                 append_kv(kv, k, v.contiguous(), slots)
             else:
-                kv[pages, 0, offsets] = k
-                kv[pages, 1, offsets] = v
+                kv[pages, 0, offsets] = k[stored]
+                kv[pages, 1, offsets] = v[stored]
             attn = backend.run(q.contiguous(), kv)
             x = x + F.linear(attn.reshape(-1, hq * hd), layer["wo"])
             h = self._rms_norm(x, layer["ffn_norm"])

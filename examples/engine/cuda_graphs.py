@@ -1,0 +1,148 @@
+"""Decode steps replayed from CUDA graphs, one graph per batch-size bucket.
+
+A step whose batch is all single-token chunks (decodes) is padded to the smallest bucket that holds
+it (1, 2, 4, ... up to ``max_num_seqs``). Each bucket owns a Triton backend with a ``GraphCapacity``
+of that many query tokens, static input buffers (token ids, positions, KV slots, the rows to
+sample) and, after its first use, a graph of the model's whole forward over them. Per step: the
+step's plan goes into the bucket's backend (``plan`` only rewrites the contents of the backend's
+fixed buffers), the inputs are copied into the static buffers, the graph is replayed, and the
+logits of the sampled rows are read from the graph's static output.
+
+Padding tokens have slot -1 (the KV-append kernel skips them, so no real page is written), are not
+in the plan (the backend leaves their attention rows alone) and are not among the rows sampled; the
+linear layers are row-wise, so whatever the padding rows hold never reaches a real row.
+
+A bucket's first use runs the forward eagerly through its static buffers (compiling the kernels
+for that shape; its logits are that step's result) and then captures the graph. A plan that does
+not fit the bucket's capacity (more page ids than ``max_pages``) is refused with ``None`` and the
+engine runs that step eagerly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from prefix_cache import CascadePlan
+from prefix_cache.attention import create_backend
+from prefix_cache.attention.triton_backend import GraphCapacity
+
+from .model import LlamaModel
+
+#: A padding token's (token id, position, KV slot, row to sample), the columns of ``_Bucket.host``.
+PADDING = np.array([[0], [0], [-1], [0]], dtype=np.int64)
+
+
+def bucket_sizes(max_batch: int) -> list[int]:
+    """Powers of two below ``max_batch``, then ``max_batch`` itself: [1, 2, 4, ..., max_batch]."""
+    sizes = []
+    size = 1
+    while size < max_batch:
+        sizes.append(size)
+        size *= 2
+    return [*sizes, max_batch]
+
+
+class _Bucket:
+    """One batch size: its backend, static inputs, and (after the first use) its graph."""
+
+    def __init__(self, model: LlamaModel, size: int, capacity: GraphCapacity) -> None:
+        self.size = size
+        self.backend = create_backend("triton", device=model.device, capacity=capacity)
+        # Rows: token ids, positions, KV slots, rows to sample; one upload per step.
+        self.inputs = torch.zeros(4, size, dtype=torch.int64, device=model.device)
+        self.host = np.zeros((4, size), dtype=np.int64)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None  # the graph's output, [size, vocab] float32
+
+
+class DecodeGraphs:
+    """CUDA graphs of the decode step of ``model`` over ``kv_pool``.
+
+    max_batch: the largest batch (the scheduler's ``max_num_seqs``); the largest bucket.
+    max_levels: levels of the engine's plans (its planner's ``max_levels``).
+    max_pages_per_seq: page ids a plan may list, per query token of the bucket, over all its levels;
+        a bucket of B holds plans of up to ``B * max_pages_per_seq`` page ids.
+    """
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv_pool: list[torch.Tensor],
+        max_batch: int,
+        max_levels: int,
+        max_pages_per_seq: int,
+    ) -> None:
+        if model.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a model on CUDA, got {model.device}")
+        self.model, self.kv_pool = model, kv_pool
+        self.sizes = bucket_sizes(max_batch)
+        self.max_levels, self.max_pages_per_seq = max_levels, max_pages_per_seq
+        self._buckets: dict[int, _Bucket] = {}
+        # One memory pool for every bucket's graph: replays never overlap, and a graph's logits are
+        # read before the next replay.
+        self._pool = torch.cuda.graph_pool_handle()
+
+    @property
+    def captured(self) -> list[int]:
+        """The bucket sizes whose graph has been captured."""
+        return sorted(size for size, b in self._buckets.items() if b.graph is not None)
+
+    def bucket(self, batch: int) -> int | None:
+        """The bucket size for ``batch`` decodes, or None when it is larger than every bucket."""
+        return next((s for s in self.sizes if s >= batch), None)
+
+    def _get(self, size: int) -> _Bucket:
+        if size not in self._buckets:
+            capacity = GraphCapacity(
+                max_query_tokens=size, max_pages=size * self.max_pages_per_seq, max_levels=self.max_levels
+            )
+            self._buckets[size] = _Bucket(self.model, size, capacity)
+        return self._buckets[size]
+
+    def run(
+        self,
+        plan: CascadePlan,
+        tokens: np.ndarray,
+        positions: np.ndarray,
+        slots: np.ndarray,
+        rows: np.ndarray,
+    ) -> torch.Tensor | None:
+        """Logits of ``rows`` (float32 [len(rows), vocab]) for a batch of single-token chunks, or None
+        when the batch has no bucket or ``plan`` does not fit its bucket (run it eagerly then).
+
+        tokens, positions, slots: int [T], one per sample of the batch in the engine's order;
+        rows: the indices in [0, T) whose logits are wanted (the samples that get a next token).
+        """
+        size = self.bucket(len(tokens))
+        if size is None:
+            return None
+        b = self._get(size)
+        c = self.model.config
+        try:
+            b.backend.plan(
+                plan,
+                num_qo_heads=c.num_qo_heads,
+                num_kv_heads=c.num_kv_heads,
+                head_dim=c.head_dim,
+                q_dtype=self.model.dtype,
+            )
+        except ValueError:  # over the bucket's capacity: the backend keeps serving plans that fit
+            return None
+        n = len(tokens)
+        b.host[:] = PADDING  # token 0 at position 0, no KV slot, row 0 (never read)
+        b.host[0, :n], b.host[1, :n], b.host[2, :n] = tokens, positions, slots
+        b.host[3, : len(rows)] = rows
+        b.inputs.copy_(torch.from_numpy(b.host))
+        if b.graph is not None:
+            b.graph.replay()
+            return b.logits[: len(rows)]
+        logits = self._forward(b)  # compiles the kernels for this bucket; this step's result
+        b.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(b.graph, pool=self._pool):
+            b.logits = self._forward(b)
+        return logits[: len(rows)]
+
+    def _forward(self, b: _Bucket) -> torch.Tensor:
+        tokens, positions, slots, rows = b.inputs
+        return self.model.forward(tokens, positions, slots, self.kv_pool, b.backend, rows)
