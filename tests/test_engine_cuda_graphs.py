@@ -23,6 +23,11 @@ def test_bucket_sizes_are_powers_of_two_up_to_the_largest_batch():
     assert bucket_sizes(8) == [1, 2, 4, 8]
 
 
+def test_graph_capacity_per_sequence_must_be_positive():
+    with pytest.raises(ValueError, match="graph_max_pages_per_seq"):
+        EngineConfig(graph_max_pages_per_seq=0)
+
+
 def test_cpu_engine_runs_without_graphs():
     config = dataclasses.replace(
         LLAMA_1B, num_layers=1, hidden_size=64, intermediate_size=128, vocab_size=300

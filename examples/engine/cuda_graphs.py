@@ -47,7 +47,6 @@ class _Bucket:
     """One batch size: its backend, static inputs, and (after the first use) its graph."""
 
     def __init__(self, model: LlamaModel, size: int, capacity: GraphCapacity) -> None:
-        self.size = size
         self.backend = create_backend("triton", device=model.device, capacity=capacity)
         # Rows: token ids, positions, KV slots, rows to sample; one upload per step.
         self.inputs = torch.zeros(4, size, dtype=torch.int64, device=model.device)

@@ -50,6 +50,12 @@ class EngineConfig:
     cuda_graphs: bool = True
     graph_max_pages_per_seq: int | None = None
 
+    def __post_init__(self) -> None:
+        if self.graph_max_pages_per_seq is not None and self.graph_max_pages_per_seq < 1:
+            raise ValueError(
+                f"graph_max_pages_per_seq must be >= 1 or None, got {self.graph_max_pages_per_seq}"
+            )
+
 
 @dataclass
 class EngineStats:
