@@ -6,8 +6,8 @@ where it routes there and is installed). ``PREFIX_CACHE_TRITON_LAUNCH=jit`` make
 go through Triton's own per-call path (``kernels/_launch.py``); each plan is made once per mode, the
 modes alternate three times and the medians are reported. Columns, µs per ``run``:
 
-- host: time ``run`` takes on the host, 50 calls queued without a sync (the GPU is not waited for);
-- back to back: 200 calls then a sync, per call: the eager cost of a layer when nothing else runs;
+- host: time ``run`` takes on the host, 30 calls queued without a sync (the GPU is not waited for);
+- back to back: 100 calls then a sync, per call: the eager cost of a layer when nothing else runs;
 - GPU: a CUDA graph of 20 runs replayed (the Triton backend's kernels without any host work);
 - over GPU: back to back minus GPU, the host time a layer adds to the GPU time.
 
@@ -93,8 +93,8 @@ def bench_case(case) -> dict:
 
                 for _ in range(3):
                     run()
-                samples.setdefault((name, mode, "host"), []).append(per_call_us(run, 50, wait=False))
-                samples.setdefault((name, mode, "b2b"), []).append(per_call_us(run, 200, wait=True))
+                samples.setdefault((name, mode, "host"), []).append(per_call_us(run, 30, wait=False))
+                samples.setdefault((name, mode, "b2b"), []).append(per_call_us(run, 100, wait=True))
     os.environ["PREFIX_CACHE_TRITON_LAUNCH"] = "direct"
     for (name, mode, what), values in samples.items():
         row[f"{name}_{mode}_{what}_us"] = statistics.median(values)
