@@ -49,9 +49,11 @@ def direct_launch_enabled() -> bool:
 
 def _hooks_installed() -> bool:
     """True when Triton has launch hooks to call (a profiler): they need Triton's own path."""
-    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
     # Triton 3.6 keeps a hook or None; later versions a chain of hooks, empty by default.
-    return any(h is not None and getattr(h, "calls", True) for h in hooks)
+    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    return (enter is not None and bool(getattr(enter, "calls", True))) or (
+        leave is not None and bool(getattr(leave, "calls", True))
+    )
 
 
 def specialization(args: tuple) -> tuple:
