@@ -20,7 +20,7 @@ Times are medians of ``triton.testing.do_bench`` (L2 flushed before each run); h
 ``run`` takes on the host when the GPU is not the bottleneck. The bound is max(distinct KV bytes /
 measured copy bandwidth, attention FLOPs / measured bf16 matrix rate).
 
-Usage: ``python benchmarks/bench_attention.py [--peers DIR] [--out DIR] [--cases SUBSTRING]``;
+Usage: ``python benchmarks/bench_attention.py [--peers DIR] [--out DIR] [--cases SUBSTRING ...]``;
 ``--smoke`` runs two tiny cases on the CPU (Triton's interpreter) to check the script itself.
 """
 
@@ -566,7 +566,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--peers", help="folder holding peer_kernels.py (peer arms skipped without it)")
     parser.add_argument("--out", default="benchmarks/results", help="where the JSON, tables and plot go")
-    parser.add_argument("--cases", default="", help="only cases whose name contains this")
+    parser.add_argument("--cases", nargs="*", default=[""], help="only cases whose name holds one of these")
     parser.add_argument("--smoke", action="store_true", help="two tiny cases on the CPU (interpreter)")
     parser.add_argument(
         "--from-json", help="rebuild the tables and plot of a stored run (its folder) without a GPU"
@@ -582,7 +582,7 @@ def main() -> None:
     if not cuda and not args.smoke:
         raise SystemExit("bench_attention.py needs CUDA (or --smoke)")
     dtype = torch.bfloat16 if cuda else torch.float32
-    cases = [c for c in (CASES if cuda else SMOKE_CASES) if args.cases in c.name]
+    cases = [c for c in (CASES if cuda else SMOKE_CASES) if any(s in c.name for s in args.cases)]
     peers = load_peers(args.peers) if cuda else None
     ceilings = measure_ceilings() if cuda else (0.0, 0.0)
     import triton

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 from prefix_cache.kernels._common import LOG2E, check_runnable, interpreting, next_pow2, num_sms
+from prefix_cache.kernels._launch import BoundKernel
 from prefix_cache.kernels.merge_state import merge_states_varlen
 from prefix_cache.kernels.work import (
     WORK_COLS,
@@ -162,7 +163,8 @@ def _attention_kernel(
 class AttentionLaunch:
     """One attention launch with everything but the layer's tensors fixed when it is made (once per
     plan): the grid and the compile-time constants. Calling it reads the tensors' strides and
-    launches; no checks (callers validate once per plan and per layer).
+    launches the compiled kernel without Triton's per-call path (``BoundKernel``); no checks
+    (callers validate once per plan and per layer).
     """
 
     def __init__(
@@ -177,15 +179,19 @@ class AttentionLaunch:
         dtype: torch.dtype,
     ) -> None:
         upcast = interpreting() or dtype == torch.float32
-        self.grid = (num_programs,)
-        self.constants = dict(
-            NUM_KV_HEADS=num_kv_heads, PAGE_SIZE=page_size, GROUP_SIZE=group_size,
-            TILE_Q=tile.block_m // group_size, HEAD_DIM=head_dim, BLOCK_M=tile.block_m,
-            BLOCK_N=tile.block_n, BLOCK_D=max(16, next_pow2(head_dim)), UPCAST=upcast,
-            DOT_PRECISION="ieee" if upcast else "tf32", num_warps=tile.num_warps,
-            # fp32 tiles are twice the bytes of the fp16/bf16 ones the block sizes were chosen for:
-            # no multi-stage KV buffering, so they still fit in shared memory (fp32 is for checks).
-            num_stages=1 if dtype == torch.float32 else tile.num_stages,
+        self._kernel = BoundKernel(
+            _attention_kernel,
+            (num_programs,),
+            dict(
+                NUM_KV_HEADS=num_kv_heads, PAGE_SIZE=page_size, GROUP_SIZE=group_size,
+                TILE_Q=tile.block_m // group_size, HEAD_DIM=head_dim, BLOCK_M=tile.block_m,
+                BLOCK_N=tile.block_n, BLOCK_D=max(16, next_pow2(head_dim)), UPCAST=upcast,
+                DOT_PRECISION="ieee" if upcast else "tf32", num_warps=tile.num_warps,
+                # fp32 tiles are twice the bytes of the fp16/bf16 ones the block sizes were chosen
+                # for: no multi-stage KV buffering, so they still fit in shared memory (fp32 is for
+                # checks).
+                num_stages=1 if dtype == torch.float32 else tile.num_stages,
+            ),
         )  # fmt: skip
 
     def __call__(
@@ -204,10 +210,9 @@ class AttentionLaunch:
     ) -> None:
         """Run ``num_work[0]`` items of ``work``: see ``launch_attention`` for the arguments."""
         sq, sk, sv, so = q.stride(), k.stride(), v.stride(), out.stride()
-        _attention_kernel[self.grid](
+        self._kernel(
             q, q_rows, k, v, kv_indices, work, num_work, o_rows, out, lse, qk_scale,
             sq[0], sq[1], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], so[0], so[1], lse.stride(0),
-            **self.constants,
         )  # fmt: skip
 
 

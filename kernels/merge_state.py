@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 from prefix_cache.kernels._common import check_runnable, next_pow2
+from prefix_cache.kernels._launch import BoundKernel
 
 
 @triton.jit
@@ -175,11 +176,15 @@ class MergeLaunch:
     def __init__(self, num_tokens: int, num_heads: int, head_dim: int) -> None:
         block_d = max(16, next_pow2(head_dim))
         block_h = _block_h(num_heads, block_d)
-        self.grid = (num_tokens, -(-num_heads // block_h))
         self.num_heads = num_heads
-        self.constants = dict(
-            HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d, VARLEN=True, SCATTER=True, WRITE_LSE=False
-        )
+        self._kernel = BoundKernel(
+            _merge_states_kernel,
+            (num_tokens, -(-num_heads // block_h)),
+            dict(
+                HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d, VARLEN=True, SCATTER=True,
+                WRITE_LSE=False,
+            ),
+        )  # fmt: skip
 
     def __call__(
         self,
@@ -191,10 +196,9 @@ class MergeLaunch:
         out_rows: torch.Tensor,
     ) -> None:
         so, sout, slse = o.stride(), out.stride(), lse.stride(0)
-        _merge_states_kernel[self.grid](
+        self._kernel(
             o, lse, starts, counts, out_rows, out, lse,
             self.num_heads, 0, 1,
             so[0], so[1], slse,
             sout[0], sout[1], slse,
-            **self.constants,
         )  # fmt: skip

@@ -619,6 +619,48 @@ def test_gpu_triton_backend_shared_prefix_decode(dtype):
 
 @gpu
 @pytest.mark.gpu
+def test_gpu_triton_backend_relaunches_for_each_layout():
+    """One plan run on q, KV and out of other strides, 16-byte alignments and layouts in turn, each
+    against the reference: the compiled kernels are launched directly per specialization
+    (``kernels/_launch.py``), and one reused for a layout it was not compiled for reads wrong data."""
+    gen = torch.Generator().manual_seed(4)
+    hq, hkv, d, page_size, dtype = 32, 8, 128, 16, torch.bfloat16
+    suffixes = [[int(x) for x in torch.randint(17, 300, (8,), generator=gen)] for _ in range(2)]
+    plan, q, kv_cache, seg_pages, segments, engine_off = _tree_batch(
+        2000, [300, 40], suffixes, [1] * 16, page_size, hq, hkv, d, dtype, "cuda", gen
+    )
+    ref = _ref_tree(q, kv_cache, seg_pages, segments, engine_off, d**-0.5)
+
+    def unaligned(x: torch.Tensor) -> torch.Tensor:
+        """A copy of x one element into its storage: its address is not a multiple of 16 bytes."""
+        flat = torch.empty(x.numel() + 1, dtype=x.dtype, device=x.device)
+        view = flat[1:].view(x.shape)
+        view.copy_(x)
+        return view
+
+    wide = torch.zeros(q.shape[0], hq + 2 * hkv, d, dtype=dtype, device="cuda")
+    wide[:, :hq] = q  # q as a view of a fused qkv projection: another row stride
+    k, v = kv_cache[:, 0].contiguous(), kv_cache[:, 1].contiguous()
+    variants = [
+        ("contiguous", q, kv_cache, torch.empty_like(q)),
+        ("contiguous again", q, kv_cache, torch.empty_like(q)),
+        ("q of a wider tensor", wide[:, :hq], kv_cache, torch.empty_like(q)),
+        ("unaligned q", unaligned(q), kv_cache, torch.empty_like(q)),
+        ("unaligned out", q, kv_cache, unaligned(torch.empty_like(q))),
+        ("separate K and V", q, (k, v), torch.empty_like(q)),
+        ("unaligned K and V", q, (unaligned(k), unaligned(v)), torch.empty_like(q)),
+        ("contiguous last", q, kv_cache, torch.empty_like(q)),
+    ]
+    backend = TritonBackend(device="cuda")
+    backend.plan(plan, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, q_dtype=dtype)
+    for name, q_in, kv_in, out in variants:
+        out.fill_(float("nan"))
+        backend.run(q_in, kv_in, out=out)
+        torch.testing.assert_close(out.cpu().double(), ref, atol=ATOL[dtype], rtol=ATOL[dtype], msg=name)
+
+
+@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize(
     ("hq", "hkv", "d", "page_size", "dtype"),
     [
