@@ -3,7 +3,7 @@
 Each namespace has a root. The tree is path-compressed (a radix tree over pages): a node holds a
 run of one or more cached full pages that follow each other in a prompt, and its parent holds the
 pages before them. A node keeps its run as plain data: the page ids (``array('i')``), the chained
-block keys (``array('Q')``), the run's token ids as one ``bytearray`` of int32, and the pages'
+block keys, the run's token ids as one ``bytearray`` of int32, and the pages'
 extra identity bytes when a prompt carried extra keys. A prompt is matched by walking down from
 its namespace's root: a child is found by its first page's identity bytes (``Node.child`` when
 there is one child, a dict keyed by those bytes when there are several), and the whole run is
@@ -67,7 +67,8 @@ class Node:
         (``first_identity``); else None.
     root: the root of the node's namespace (a root's is itself).
     pages: page ids of the run in the KV pool, ``array('i')``, at least one.
-    keys: the pages' chained block keys, ``array('Q')``, one per page.
+    keys: the pages' chained block keys, one per page: a list of the int objects that the
+        namespace's ``index`` holds too, so removing them from it needs no second lookup.
     tokens: the run's token ids, int32 bytes, ``4 * page_size`` per page.
     extras: per page its extra identity bytes (``b""`` for none), or None when no page has any.
     ref: live sequences holding the node (for a root: live sequences in its namespace).
@@ -96,7 +97,7 @@ class Node:
         root: Root | None,
         tokens: bytearray,
         pages: array,
-        keys: array,
+        keys: list[int],
         extras: list[bytes] | None,
     ) -> None:
         self.parent = parent
@@ -137,7 +138,7 @@ class Root(Node):
     __slots__ = ("index", "namespace", "seed")
 
     def __init__(self, namespace: Namespace) -> None:
-        super().__init__(None, None, bytearray(), array("i"), array("Q"), None)
+        super().__init__(None, None, bytearray(), array("i"), [], None)
         self.root = self
         self.ref = 0
         self.namespace = namespace
@@ -274,7 +275,7 @@ class BlockTree:
         count = min(len(node.pages), num_pages - pos)
         tokens = node.tokens
         if extras is None and node.extras is None:
-            if tokens[: count * pb] == data[pos * pb : (pos + count) * pb]:
+            if tokens.startswith(data[pos * pb : (pos + count) * pb]):
                 return count
             # The first differing token, found in C.
             ps = self.page_size
@@ -404,21 +405,27 @@ class BlockTree:
         int in ``[0, 2**64)``; whatever the hash function itself raises propagates.
         """
         hash_fn = self.hash_fn
-        index = root.index
-        check = self.check_keys
         pb = self.page_bytes
         keys: list[int] = []
         append = keys.append
-        for i, start in enumerate(range(0, len(data), pb)):
-            chunk = data[start : start + pb]
-            if extras is not None:
-                chunk += extras[i]
-            key = hash_fn(chunk, key)
-            if check:
-                check_key(key)
-            if key in index:
-                break
-            append(key)
+        if extras is None and not self.check_keys:
+            # The common case, one page per iteration and nothing else.
+            for start in range(0, len(data), pb):
+                key = hash_fn(data[start : start + pb], key)
+                append(key)
+        else:
+            for i, start in enumerate(range(0, len(data), pb)):
+                chunk = data[start : start + pb]
+                if extras is not None:
+                    chunk += extras[i]
+                key = hash_fn(chunk, key)
+                if self.check_keys:
+                    check_key(key)
+                append(key)
+        index = root.index
+        if not index.isdisjoint(keys):
+            # A key is taken in the namespace: stop before it.
+            del keys[next(i for i, key in enumerate(keys) if key in index) :]
         if len(set(keys)) < len(keys):
             # A key repeats within the chain (a weak hash function): stop before its second use.
             seen: set[int] = set()
@@ -441,7 +448,8 @@ class BlockTree:
         root = parent.root
         # The node's own list: it grows when the run is extended.
         extras = list(extras) if extras is not None and any(extras) else None
-        node = Node(parent, root, bytearray(data), pages, array("Q", keys), extras)
+        # Its own list of keys too: the caller's goes into an event.
+        node = Node(parent, root, bytearray(data), pages, list(keys), extras)
         if parent.child is None and parent.children is None:
             parent.child = node
         else:
@@ -509,7 +517,7 @@ class BlockTree:
                 # Part of the run: its end goes, the rest keeps its place in the LRU.
                 keep = size - want
                 pages = node.pages[keep:].tolist()
-                keys = node.keys[keep:].tolist()
+                keys = node.keys[keep:]
                 del node.pages[keep:]
                 del node.keys[keep:]
                 del node.tokens[keep * pb :]
@@ -533,7 +541,7 @@ class BlockTree:
                 node.lru_serial = -1
                 self.num_lru -= 1
             pages = node.pages.tolist()
-            keys = node.keys.tolist()
+            keys = node.keys
             pages.reverse()
             keys.reverse()
             root.index.difference_update(keys)
@@ -565,6 +573,27 @@ class BlockTree:
         if removed:
             self.version += 1
         return evicted
+
+    def evict_from_run(self) -> tuple[Root, int, int] | None:
+        """``evict(1)`` in the decode loop's case with a full pool: the victim, the oldest
+        candidate in ``recent``, has more pages than one (and no extra keys), so its last page
+        goes and the run keeps its place. Returns ``(root, page, key)``, or None, changing
+        nothing, in any other case (``evict`` then)."""
+        recent = self.recent
+        if not recent:
+            return None
+        node = next(iter(recent))
+        older = self.older
+        if (older and older[0][0] < node.tick) or len(node.pages) < 2 or node.extras is not None:
+            return None
+        key = node.keys.pop()
+        root = node.root
+        root.index.discard(key)
+        del node.tokens[-self.page_bytes :]
+        self.num_pages -= 1
+        self.num_unreferenced -= 1
+        self.version += 1
+        return root, node.pages.pop(), key
 
     def _push_older(self, parent: Node) -> None:
         """``parent``, unreferenced, became a leaf by eviction: it waits in the heap with its own

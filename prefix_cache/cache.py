@@ -363,7 +363,7 @@ class PrefixCache:
                     if not lock.acquire(False):
                         self._concurrent()
                     try:
-                        self._store_full_pages(seq, n)
+                        self._store_page(seq, n)
                     finally:
                         lock.release()
                 seq._num_tokens = n
@@ -756,17 +756,28 @@ class PrefixCache:
         num_pages = -(-end // page_size)
         needed = num_pages - seq._num_pages
         free = self._pool.free
-        if needed > len(free):
-            available = len(free) + self._tree.num_unreferenced
-            if needed > available:
-                raise OutOfPages(needed, available)
+        short = needed - len(free)
+        if short > 0 and short > self._tree.num_unreferenced:
+            raise OutOfPages(needed, len(free) + self._tree.num_unreferenced)
         if num_pages > len(seq._pages):
             # Before any page is taken: a MemoryError here changes nothing.
             seq._grow(num_pages, page_size)
-        if needed > len(free):
-            self._evict(needed - len(free))
+        if short > 0:
+            one = self._tree.evict_from_run() if short == 1 else None
+            if one is None:
+                self._evict(short)
+            else:
+                # The decode loop with a full pool: a page from the end of the oldest run.
+                root, page, key = one
+                free.append(page)
+                self._evicted_pages += 1
+                if self._record_events:
+                    self._emit(BlockRemoved([key], root.namespace))
         if needed == 1:
-            seq._add_page(free.pop(), page_size)
+            count = seq._num_pages
+            seq._pages[count] = free.pop()
+            seq._num_pages = count + 1
+            seq._capacity += page_size
         else:
             seq._add_pages(self._pool.take(needed), page_size)
         seq._num_allocated = end
@@ -779,6 +790,49 @@ class PrefixCache:
             self._store_full_pages(seq, end)
         finally:
             self._lock.release()
+
+    def _store_page(self, seq: Sequence, end: int) -> None:
+        """``_store_full_pages`` for the one page that the token at ``end - 1`` filled (the decode
+        path), in its common case written out: the page goes at the end of the sequence's own
+        leaf run, which only it holds. Anything else takes the general path."""
+        leaf = seq._node
+        if (
+            leaf.ref != 1
+            or leaf.child is not None
+            or leaf.children is not None
+            or leaf is seq._root
+            or seq._broken
+            or seq._extras
+        ):
+            self._store_full_pages(seq, end)
+            return
+        page_size = self._page_size
+        data = seq._tokens[end - page_size : end].tobytes()
+        tree = self._tree
+        parent_key = leaf.keys[-1]
+        key = tree.hash_fn(data, parent_key)
+        if tree.check_keys:
+            check_key(key)
+        full = end // page_size
+        seq._num_full_pages = full
+        index = seq._root.index
+        if key in index:
+            # A hash collision: the page and all later ones stay private.
+            seq._broken = True
+            self._collision_pages += 1
+            return
+        leaf.tokens += data
+        leaf.pages.append(seq._pages.item(full - 1))
+        leaf.keys.append(key)
+        if leaf.extras is not None:
+            leaf.extras.append(b"")
+        index.add(key)
+        tree.num_pages += 1
+        tree.version += 1
+        seq._num_held = full
+        self._stored_pages += 1
+        if self._record_events:
+            self._emit(_PendingStored([key], parent_key, data, seq._namespace))
 
     def _store_full_pages(self, seq: Sequence, end: int) -> None:
         """Offer the pages of ``seq`` that ``end`` committed tokens fill (written to ``seq._tokens``,
@@ -800,45 +854,17 @@ class PrefixCache:
         parent = seq._node
         data = seq._tokens[first * page_size : full * page_size].tobytes()
         seq_extras = seq._extras
-        if full == first + 1 and parent.child is None and parent.children is None and not seq_extras:
-            # One page after a leaf (the decode path): no twin can exist; the code below, unrolled.
-            parent_key = parent.keys[-1] if parent is not root else root.seed
-            key = tree.hash_fn(data, parent_key)
-            if tree.check_keys:
-                check_key(key)
-            seq._num_full_pages = full
-            index = root.index
-            if key in index:
-                seq._broken = True
-                self._collision_pages += 1
-                return
-            page = int(seq._pages[first])
-            if parent.ref == 1 and parent is not root:
-                parent.tokens += data
-                parent.pages.append(page)
-                parent.keys.append(key)
-                if parent.extras is not None:
-                    parent.extras.append(b"")
-                index.add(key)
-                tree.num_pages += 1
-                tree.version += 1
-            else:
-                seq._node = tree.add(parent, data, array("i", (page,)), [key], None)
-            seq._num_held = full
-            self._stored_pages += 1
-            if self._record_events:
-                self._emit(
-                    _PendingStored([key], None if parent is root else parent_key, data, seq._namespace)
-                )
-            return
         count = full - first
         page_bytes = 4 * page_size
         # Extra identity bytes of each page (prompt pages only), None when no page has any.
         extras = None
         if seq_extras and any(first + i in seq_extras for i in range(count)):
             extras = [seq_extras.get(first + i, b"") for i in range(count)]
-        # Cached twins, computed concurrently by other sequences.
-        walk = tree.walk(parent, data, count, extras)
+        # Cached twins, computed concurrently by other sequences (none after a leaf).
+        if parent.child is None and parent.children is None:
+            walk = _NO_WALK
+        else:
+            walk = tree.walk(parent, data, count, extras)
         twins = walk.pages
         after = walk.last(parent)
         # The key of the last twin (which may end inside its run), or of the sequence's last page.
@@ -892,7 +918,7 @@ class PrefixCache:
     def _evict(self, num_pages: int) -> int:
         """Evict up to ``num_pages`` pages in LRU order, with ``BlockRemoved`` events (one per run
         of pages of one namespace); returns the number evicted."""
-        evicted = self._evict_pages(num_pages)
+        evicted, count = self._evict_pages(num_pages)
         if evicted and self._record_events:
             root, _, keys = evicted[0]
             keys = list(keys)
@@ -903,19 +929,19 @@ class PrefixCache:
                     root, keys = other, []
                 keys += more
             self._emit(BlockRemoved(keys, root.namespace))
-        return sum(len(pages) for _, pages, _ in evicted)
+        return count
 
-    def _evict_pages(self, num_pages: int) -> list[tuple[Root, list[int], list[int]]]:
+    def _evict_pages(self, num_pages: int) -> tuple[list[tuple[Root, list[int], list[int]]], int]:
         """Evict up to ``num_pages`` pages in LRU order (no event); returns them as the tree's
-        ``evict`` does."""
+        ``evict`` does, and their number."""
         evicted = self._tree.evict(num_pages)
-        put_many = self._pool.put_many
+        free = self._pool.free
         count = 0
         for _, pages, _ in evicted:
-            put_many(pages)
+            free += pages
             count += len(pages)
         self._evicted_pages += count
-        return evicted
+        return evicted, count
 
     # ------------------------------------------------------------------ checking
 

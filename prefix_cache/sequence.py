@@ -110,13 +110,6 @@ class Sequence:
         self._num_pages = end
         self._capacity = end * page_size
 
-    def _add_page(self, page: int, page_size: int) -> None:
-        """Append one page id (the decode path: a scalar store, no list); room must be there."""
-        end = self._num_pages
-        self._pages[end] = page
-        self._num_pages = end + 1
-        self._capacity += page_size
-
     def _grow(self, num_pages: int, page_size: int) -> None:
         """Reallocate the buffers for at least ``num_pages`` pages, at least doubling them. Called
         before any page is taken, so a MemoryError here leaves everything as it was."""
