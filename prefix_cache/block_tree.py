@@ -334,8 +334,8 @@ class BlockTree:
         if extras is not None:
             head.extras = extras[:count] if any(extras[:count]) else None
             node.extras = extras[count:] if any(extras[count:]) else None
+        # The head is acquired next (its tick is stamped when released).
         head.ref = node.ref
-        head.tick = node.tick
         head.child = node
         parent = node.parent
         if parent.child is node:
