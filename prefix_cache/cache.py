@@ -363,7 +363,7 @@ class PrefixCache:
                     if not lock.acquire(False):
                         self._concurrent()
                     try:
-                        self._store_page(seq, n)
+                        self._store_page(seq, n, token)
                     finally:
                         lock.release()
                 seq._num_tokens = n
@@ -459,13 +459,19 @@ class PrefixCache:
             seq = next(seq for seq in seqs if seq._num_tokens >= seq._num_allocated)
             raise ValueError(f"cannot commit: sequence {seq._id} has no reserved slot (allocate first)")
         page_size = self._page_size
-        for seq, token in zip(seqs, arr.tolist(), strict=True):
-            n = seq._num_tokens
-            seq._tokens[n] = token
-            n += 1
-            if n % page_size == 0:
-                self._store_locked(seq, n)
-            seq._num_tokens = n
+        lock = self._lock
+        if not lock.acquire(False):
+            self._concurrent()
+        try:
+            for seq, token in zip(seqs, arr.tolist(), strict=True):
+                n = seq._num_tokens
+                seq._tokens[n] = token
+                n += 1
+                if n % page_size == 0:
+                    self._store_page(seq, n, token)
+                seq._num_tokens = n
+        finally:
+            lock.release()
 
     def write_block_tables(self, seqs: list[Sequence], out: np.ndarray, rows: object = None) -> int:
         """Write the block tables of ``seqs`` into rows of ``out``, an int32 array
@@ -791,10 +797,10 @@ class PrefixCache:
         finally:
             self._lock.release()
 
-    def _store_page(self, seq: Sequence, end: int) -> None:
-        """``_store_full_pages`` for the one page that the token at ``end - 1`` filled (the decode
-        path), in its common case written out: the page goes at the end of the sequence's own
-        leaf run, which only it holds. Anything else takes the general path."""
+    def _store_page(self, seq: Sequence, end: int, token: int) -> None:
+        """``_store_full_pages`` for the one page that ``token``, at ``end - 1``, filled (the
+        decode path), in its common case written out: the page goes at the end of the sequence's
+        own leaf run, which only it holds. Anything else takes the general path."""
         leaf = seq._node
         if (
             leaf.ref != 1
@@ -807,7 +813,8 @@ class PrefixCache:
             self._store_full_pages(seq, end)
             return
         page_size = self._page_size
-        data = seq._tokens[end - page_size : end].tobytes()
+        # At page size 1 the page is the token: its int32 bytes without a numpy round trip.
+        data = token.to_bytes(4, "little") if page_size == 1 else seq._tokens[end - page_size : end].tobytes()
         tree = self._tree
         parent_key = leaf.keys[-1]
         key = tree.hash_fn(data, parent_key)
