@@ -158,7 +158,7 @@ class ProfiledCache(PrefixCache):
         self._call("close", "close", seq)
 
 
-def profile_replay(conversations: list[Conversation], config: SchedulerConfig, top: int = 16) -> str:
+def profile_replay(conversations: list[Conversation], config: SchedulerConfig, top: int = 8) -> str:
     """cProfile of one replay, per phase: the cache's functions by own time. Profiling slows every
     call several-fold; the shares, not the absolute times, are the point."""
     cache = ProfiledCache(config.num_pages, config.page_size, record_events=False)
