@@ -349,15 +349,6 @@ class BlockTree:
 
     # ------------------------------------------------------------------ references
 
-    def acquire(self, nodes: list[Node]) -> None:
-        """Take one reference on each of ``nodes`` (whole nodes) for a live sequence."""
-        for node in nodes:
-            if node.ref == 0:
-                self.num_unreferenced -= len(node.pages)
-                if node.lru_serial >= 0:
-                    self._unlist(node)
-            node.ref += 1
-
     def _unlist(self, node: Node) -> None:
         """``node``, an eviction candidate, is acquired: it is not a candidate any more."""
         if node.lru_serial == 0:
