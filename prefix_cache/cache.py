@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from prefix_cache.block_tree import BlockTree, Node, Root, Walk, check_key
+from prefix_cache.block_tree import BlockTree, check_key
 from prefix_cache.errors import ConcurrentUseError, InvariantError, OutOfPages, PrefixCacheError
 from prefix_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from prefix_cache.hashing import (
@@ -30,6 +30,7 @@ from prefix_cache.page_pool import PagePool
 from prefix_cache.sequence import Sequence
 from prefix_cache.stats import CacheStats
 from prefix_cache.tokens import MAX_TOKEN_ID, as_token_array
+from prefix_cache.tree_nodes import Node, Root, Walk
 
 MAX_PAGE_SIZE = 1024
 # Page ids are int32 in block tables.

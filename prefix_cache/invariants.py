@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from prefix_cache.block_tree import Node, Root
 from prefix_cache.errors import InvariantError
 from prefix_cache.hashing import namespace_seed
+from prefix_cache.tree_nodes import Node, Root
 
 if TYPE_CHECKING:
     from prefix_cache.cache import PrefixCache

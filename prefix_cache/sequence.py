@@ -6,8 +6,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from prefix_cache.block_tree import Node, Root
 from prefix_cache.hashing import Namespace
+from prefix_cache.tree_nodes import Node, Root
 
 if TYPE_CHECKING:
     from prefix_cache.cache import PrefixCache
