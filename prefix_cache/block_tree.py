@@ -1,123 +1,84 @@
-"""The block tree: cached full pages, reference counts and LRU eviction.
+"""The block tree: cached full pages in runs, reference counts and LRU eviction.
 
-Each namespace has a root; a node is one cached full page whose parent is the page before it in
-the prompt. A prompt is matched by walking down from its namespace's root, comparing each page's
-token bytes with the stored ones: a hit is always the exact tokens after the exact parent, and a
-namespace only ever reaches its own root's pages. No block hash is computed on the walk. Most
-nodes have one child (a conversation grows page by page), so that child is kept in ``Node.child``
-and costs one bytes comparison; a node with several children keeps them in a dict keyed by their
-token bytes (the dict's hash finds the candidate, its equality test confirms it). Either way a
-page costs about two memory accesses (the node and its tokens), which is what the walk is bound by.
+Each namespace has a root. The tree is path-compressed (a radix tree over pages): a node holds a
+run of one or more cached full pages that follow each other in a prompt, and its parent holds the
+pages before them. A node keeps its run as plain data: the page ids (``array('i')``), the chained
+block keys, the run's token ids as one ``bytearray`` of int32, and the pages'
+extra identity bytes when a prompt carried extra keys. A prompt is matched by walking down from
+its namespace's root: a child is found by its first page's identity bytes (``Node.child`` when
+there is one child, a dict keyed by those bytes when there are several), and the whole run is
+then confirmed with one bytes comparison, so a walk costs per node, not per page. A hit is always
+the exact tokens after the exact parent, and a namespace only ever reaches its own root's pages;
+no block hash is computed on the walk.
 
-Every node also has a key, the chained block hash of ``prefix_cache.hashing``: the identity that
-events publish. Each root's ``index`` maps the keys of its namespace's nodes to the nodes, so keys
-stay unique within a namespace; a second block whose key is taken there (a hash collision) is
-simply not cached. The index is per namespace because namespace seeds are public: a tenant who
-crafts colliding blocks can only stop its own blocks from being cached, never another tenant's.
+Runs split where prompts diverge, always at a page boundary: when a match (or a sequence's own
+pages, computed at the same time as another's) ends inside a run, the run is cut there. The node
+object keeps the tail (with its children, its LRU entry and its tick) and a new node takes the
+head in its place under the parent, so nothing that points at the node (sequences, the LRU, the
+parent's child slot) has to change. Every live sequence therefore holds whole nodes: the pages
+of a node always have the same holders, reference counts are per node, and locking, releasing
+and stamping a path cost per node. A sequence remembers only the deepest node it holds; its path
+is the parent chain above it. A sequence that fills a page at the end of a leaf only it holds
+(``ref == 1``, the decode loop) appends the page to that run in place instead of making a node.
 
-A live sequence holds one reference on every node of its cached path, so a node's ``ref`` is the
-number of live sequences through it, and a node with ``ref == 0`` has only ``ref == 0``
-descendants: all unreferenced nodes can be evicted, deepest first.
+Every page also has a key, the chained block hash of ``prefix_cache.hashing``: the identity that
+events publish. Each root's ``index`` is the set of its namespace's keys, so keys stay unique
+within a namespace; a block whose key is taken there (a hash collision) is simply not cached. The
+index is per namespace because namespace seeds are public: a tenant who crafts colliding blocks
+can only stop its own blocks from being cached, never another tenant's.
+
+A node's ``ref`` is the number of live sequences holding it, and a node with ``ref == 0`` has
+only ``ref == 0`` descendants: all unreferenced pages can be evicted, deepest first.
 
 Eviction order is least recently released first (by ``Node.tick``, stamped at release), among
-unreferenced leaves. A leaf that becomes a candidate when a sequence releases it has the newest
-tick, so those leaves sit in an ordered dict in tick order: O(1) to add, remove or pop the oldest.
-A parent that becomes a leaf because its last child was evicted keeps its own, older tick, so it
-goes into a small heap keyed by ``(tick, serial)`` rather than at either end of the dict; the
-next victim is the older of the two heads. Heap entries of parents that were acquired again are
-skipped when popped (``Node.lru_serial`` names the live entry) and dropped when they outnumber
-the live ones. Every operation is O(1) or O(log n) amortised; nothing ever scans the pool.
-Only leaves are candidates, so on a cached path only the last node can be one.
+unreferenced leaves, and it takes pages from the end of a leaf's run: a leaf whose run is only
+partly evicted keeps its place (its remaining pages are as old), one whose run is gone leaves the
+tree. A leaf that becomes a candidate when a sequence releases it has the newest tick, so those
+leaves sit in an ordered dict in tick order: O(1) to add, remove or pop the oldest. A parent that
+becomes a leaf because its last child was evicted keeps its own, older tick, so it goes into a
+small heap keyed by ``(tick, serial)`` rather than at either end of the dict; the next victim is
+the older of the two heads. Heap entries of parents that were acquired again are skipped when
+popped (``Node.lru_serial`` names the live entry) and dropped when they outnumber the live ones.
+Every operation is O(1) or O(log n) amortised per node or per evicted page; nothing ever scans
+the pool. Only leaves are candidates, so on a cached path only the last node can be one.
 """
 
 from __future__ import annotations
 
 import heapq
+from array import array
 from collections import OrderedDict
 
-from prefix_cache.hashing import HashFn, Namespace, default_hash_fn, namespace_seed
+import numpy as np
+
+from prefix_cache.hashing import HashFn, Namespace, default_hash_fn
+from prefix_cache.tree_nodes import Node, Root, Walk, add_child, remove_child
 
 _KEY_LIMIT = 2**64
 # Rebuild the heap when it holds more than this many entries beyond twice the live ones.
 _HEAP_SLACK = 1024
 
 
-class Node:
-    """One cached full page (or, as ``Root``, a namespace's root).
-
-    key: chained hash of the page (the namespace seed for a root).
-    parent: the node of the previous page, None for a root.
-    child: the only cached node whose parent this is, when there is exactly one; else None.
-    children: when there are two or more such nodes, they by their ``tokens``; else None.
-    page: page id in the KV pool, -1 for a root.
-    root: the root of the node's namespace (a root's is itself).
-    tokens: the page's identity bytes: its tokens as int32 bytes, then its extra keys if any.
-    ref: live sequences holding this node (for a root: live sequences in its namespace).
-    tick: when the node was last released, for LRU order.
-    lru_serial: where it waits as an eviction candidate: 0 in ``BlockTree.recent``, > 0 the serial
-        of its entry in ``BlockTree.older``, -1 not a candidate.
-    """
-
-    __slots__ = ("child", "children", "key", "lru_serial", "page", "parent", "ref", "root", "tick", "tokens")
-
-    def __init__(self, key: int, parent: Node | None, page: int, tokens: bytes, root: Root | None) -> None:
-        self.key = key
-        self.parent = parent
-        self.root = root
-        self.child: Node | None = None
-        self.children: dict[bytes, Node] | None = None
-        self.page = page
-        self.tokens = tokens
-        # A page is cached by the sequence that computed it, which holds it.
-        self.ref = 1
-        self.tick = 0
-        self.lru_serial = -1
-
-    @property
-    def is_leaf(self) -> bool:
-        """No cached node has this one as its parent (hot paths test the two slots inline)."""
-        return self.child is None and self.children is None
-
-    def child_with(self, tokens: bytes) -> Node | None:
-        """The child whose page holds ``tokens``, if cached."""
-        child = self.child
-        if child is not None:
-            return child if child.tokens == tokens else None
-        return None if self.children is None else self.children.get(tokens)
-
-
-class Root(Node):
-    """The root of one namespace: no page; it knows its namespace and indexes its nodes by key."""
-
-    __slots__ = ("index", "namespace")
-
-    def __init__(self, namespace: Namespace) -> None:
-        super().__init__(namespace_seed(namespace), None, -1, b"", None)
-        self.root = self
-        self.ref = 0
-        self.namespace = namespace
-        #: Every cached node of this namespace by key.
-        self.index: dict[int, Node] = {}
-
-
 class BlockTree:
     """Cached pages of all namespaces, with reference counts and the LRU of evictable leaves.
 
-    The tree never allocates or frees pages itself: ``extend`` takes pages the caller owns and
-    ``evict`` hands the evicted nodes (and their pages) back to the caller.
+    The tree never allocates or frees pages itself: ``add`` and ``extend`` take pages the caller
+    owns and ``evict`` hands the evicted pages back to the caller.
     """
 
-    def __init__(self, hash_fn: HashFn) -> None:
+    def __init__(self, hash_fn: HashFn, page_size: int) -> None:
         self.hash_fn = hash_fn
         #: Keys from a caller's hash function are checked; the default's need not be.
         self.check_keys = hash_fn is not default_hash_fn
+        self.page_size = page_size
+        self.page_bytes = 4 * page_size
         self.roots: dict[Namespace, Root] = {}
-        #: Bumped whenever a node is added or removed, so a match result can be reused while the
-        #: tree is unchanged.
+        #: Bumped whenever a node is added, removed, split or extended, so a walk can be reused
+        #: while the tree is unchanged.
         self.version = 0
-        #: Nodes (= cached pages) in the tree, roots excluded.
-        self.num_nodes = 0
-        #: Nodes with ``ref == 0``: all of them can be evicted, leaves first.
+        #: Cached pages in the tree.
+        self.num_pages = 0
+        #: Cached pages in nodes with ``ref == 0``: all of them can be evicted, deepest first.
         self.num_unreferenced = 0
         self.tick = 0
         #: Candidates released by sequences, oldest tick first.
@@ -130,8 +91,19 @@ class BlockTree:
         self._serial = 0
 
     def nodes(self) -> list[Node]:
-        """Every cached node of every namespace (for checks and snapshots, not the hot path)."""
-        return [node for root in self.roots.values() for node in root.index.values()]
+        """Every node of every namespace, parents first (for checks and snapshots, not the hot
+        path)."""
+        found: list[Node] = []
+        for root in self.roots.values():
+            stack: list[Node] = [root]
+            while stack:
+                node = stack.pop()
+                kids = list(node.children.values()) if node.children is not None else [node.child]
+                for kid in kids:
+                    if kid is not None:
+                        found.append(kid)
+                        stack.append(kid)
+        return found
 
     def root(self, namespace: Namespace) -> Root:
         """The root of ``namespace``, created when missing. ``namespace`` must be valid."""
@@ -140,73 +112,133 @@ class BlockTree:
             root = self.roots[namespace] = Root(namespace)
         return root
 
-    def match(self, root: Root, data: bytes, num_pages: int, page_bytes: int) -> list[Node]:
-        """The nodes of the longest cached prefix of ``data``, at most ``num_pages`` pages.
+    # ------------------------------------------------------------------ matching
 
-        data: the prompt's int32 token bytes, at least ``num_pages * page_bytes`` long.
-        """
+    def walk(self, start: Node, data: bytes, num_pages: int, extras: list[bytes] | None) -> Walk:
+        """The longest cached prefix, below ``start``, of the pages in ``data``: at most
+        ``num_pages`` pages of ``4 * page_size`` token bytes, with per page extra identity bytes
+        ``extras`` (None when no page has any). Changes nothing."""
+        pb = self.page_bytes
         nodes: list[Node] = []
-        append = nodes.append
-        node: Node = root
-        for start in range(0, num_pages * page_bytes, page_bytes):
-            chunk = data[start : start + page_bytes]
+        node = start
+        pos = 0
+        while pos < num_pages:
             child = node.child
             if child is None:
-                if node.children is None:
+                children = node.children
+                if children is None:
                     break
-                child = node.children.get(chunk)
+                ident = data[pos * pb : (pos + 1) * pb]
+                if extras is not None:
+                    ident += extras[pos]
+                child = children.get(ident)
                 if child is None:
                     break
-            elif child.tokens != chunk:
-                break
-            append(child)
-            node = child
-        return nodes
+            end = pos + len(child.pages)
+            # The common case: the whole run in one comparison.
+            if (
+                end <= num_pages
+                and extras is None
+                and child.extras is None
+                and child.tokens == data[pos * pb : end * pb]
+            ):
+                nodes.append(child)
+                pos = end
+                node = child
+                continue
+            same = self._common_pages(child, data, pos, num_pages, extras)
+            if same:
+                nodes.append(child)
+                if same < len(child.pages):
+                    return Walk(nodes, pos + same, same)
+                pos += same
+                node = child
+                continue
+            break
+        return Walk(nodes, pos, 0)
 
-    def lock(self, root: Root, data: bytes, num_pages: int, page_bytes: int, table: memoryview) -> list[Node]:
-        """``match`` and ``acquire`` in one pass: the nodes of the longest cached prefix of
-        ``data`` (at most ``num_pages`` pages), each with one more reference; their page ids are
-        written to ``table[0 : len(nodes)]`` (a sequence's block table)."""
-        nodes: list[Node] = []
-        append = nodes.append
-        node: Node = root
-        newly_referenced = 0
-        # The walk of ``match``, with the reference counting of ``acquire`` and the block table
-        # done while each node is in cache: the walk is bound by memory accesses, not by work.
-        for i, start in enumerate(range(0, num_pages * page_bytes, page_bytes)):
-            chunk = data[start : start + page_bytes]
-            child = node.child
-            if child is None:
-                if node.children is None:
-                    break
-                child = node.children.get(chunk)
-                if child is None:
-                    break
-            elif child.tokens != chunk:
-                break
-            ref = child.ref
+    def _common_pages(
+        self, node: Node, data: bytes, pos: int, num_pages: int, extras: list[bytes] | None
+    ) -> int:
+        """How many leading pages of ``node``'s run equal pages ``pos, pos + 1, ...`` of ``data``
+        (at most ``num_pages - pos``)."""
+        pb = self.page_bytes
+        count = min(len(node.pages), num_pages - pos)
+        tokens = node.tokens
+        if extras is None and node.extras is None:
+            if tokens.startswith(data[pos * pb : (pos + count) * pb]):
+                return count
+            # The first differing token, found in C.
+            ps = self.page_size
+            stored = np.frombuffer(tokens, np.int32, count * ps)
+            given = np.frombuffer(data, np.int32, count * ps, pos * pb)
+            return int(np.flatnonzero(stored != given)[0]) // ps
+        node_extras = node.extras
+        for i in range(count):
+            if tokens[i * pb : (i + 1) * pb] != data[(pos + i) * pb : (pos + i + 1) * pb]:
+                return i
+            if (node_extras[i] if node_extras is not None else b"") != (
+                extras[pos + i] if extras is not None else b""
+            ):
+                return i
+        return count
+
+    def hold(self, walk: Walk, table: np.ndarray | None, offset: int) -> Node:
+        """Take one reference on each node of ``walk`` (not empty) for a live sequence,
+        splitting the last one first when the prefix ends inside its run, and write their page
+        ids to ``table[offset : offset + walk.pages]`` unless ``table`` is None. Returns the
+        deepest node held."""
+        nodes = walk.nodes
+        if walk.partial:
+            nodes = [*nodes[:-1], self.split(nodes[-1], walk.partial)]
+        newly = 0
+        pos = offset
+        for node in nodes:
+            ref = node.ref
+            pages = node.pages
             if not ref:
-                newly_referenced += 1
-            child.ref = ref + 1
-            table[i] = child.page
-            append(child)
-            node = child
-        if newly_referenced:
-            self.num_unreferenced -= newly_referenced
+                newly += len(pages)
+            node.ref = ref + 1
+            if table is not None:
+                end = pos + len(pages)
+                table[pos:end] = pages
+                pos = end
+        last = nodes[-1]
+        if newly:
+            self.num_unreferenced -= newly
             # Every other node of the path has a child, so only the last can be a candidate.
-            last = nodes[-1]
             if last.lru_serial >= 0:
                 self._unlist(last)
-        return nodes
+        return last
 
-    def acquire(self, nodes: list[Node]) -> None:
-        """Take one reference on each of ``nodes`` for a live sequence."""
-        for node in nodes:
-            if node.ref == 0:
-                self.num_unreferenced -= 1
-                if node.lru_serial >= 0:
-                    self._unlist(node)
-            node.ref += 1
+    def split(self, node: Node, count: int) -> Node:
+        """Cut ``node``'s run after its first ``count`` pages (``0 < count < len(node.pages)``):
+        a new node takes them, in ``node``'s place under its parent, and ``node`` keeps the rest,
+        its children, tick and LRU entry, as the new node's only child. Returns the new node."""
+        cut = count * self.page_bytes
+        tokens = node.tokens
+        head = Node(node.parent, node.root, tokens[:cut], node.pages[:count], node.keys[:count], None)
+        del tokens[:cut]
+        del node.pages[:count]
+        del node.keys[:count]
+        extras = node.extras
+        if extras is not None:
+            head.extras = extras[:count] if any(extras[:count]) else None
+            node.extras = extras[count:] if any(extras[count:]) else None
+        # The head is acquired next (its tick is stamped when released).
+        head.ref = node.ref
+        head.child = node
+        parent = node.parent
+        if parent.child is node:
+            parent.child = head
+        else:
+            # Same first page, same key in the parent's children.
+            parent.children[head.first_identity(self.page_bytes)] = head
+        node.parent = head
+        self.version += 1
+        return head
+
+    # ------------------------------------------------------------------ references
 
     def _unlist(self, node: Node) -> None:
         """``node``, an eviction candidate, is acquired: it is not a candidate any more."""
@@ -216,174 +248,234 @@ class BlockTree:
         node.lru_serial = -1
         self.num_lru -= 1
 
-    def release(self, nodes: list[Node]) -> None:
-        """Drop one reference on each of ``nodes`` (a sequence's path), stamping them as used now."""
+    def release(self, node: Node, root: Root) -> None:
+        """Drop one reference on ``node`` and every node above it up to ``root`` (a sequence's
+        path), stamping them as used now."""
         self.tick += 1
         tick = self.tick
-        recent = self.recent
-        for node in nodes:
+        freed = 0
+        while node is not root:
             node.tick = tick
-            node.ref -= 1
-            if node.ref == 0:
-                self.num_unreferenced += 1
+            ref = node.ref - 1
+            node.ref = ref
+            if not ref:
+                freed += len(node.pages)
                 if node.child is None and node.children is None:
                     # The newest tick: its place is the young end of ``recent``.
-                    recent[node] = None
+                    self.recent[node] = None
                     node.lru_serial = 0
                     self.num_lru += 1
+            node = node.parent
+        self.num_unreferenced += freed
         older = self.older
-        if len(older) > 2 * (self.num_lru - len(recent)) + _HEAP_SLACK:
+        if len(older) > 2 * (self.num_lru - len(self.recent)) + _HEAP_SLACK:
             # Stale entries (of parents acquired again) outnumber live ones: drop them.
             self.older = [entry for entry in older if entry[2].lru_serial == entry[1]]
             heapq.heapify(self.older)
 
-    def new_keys(self, parent: Node, chunks: list[bytes]) -> list[int]:
-        """The keys of new pages (``chunks``: their identity bytes) to cache as a chain below
-        ``parent``, stopping before the first whose key is already taken in the namespace (a
-        hash collision: keys name blocks in events, so they stay unique). Changes nothing, so a
-        hash function that raises or returns a bad key leaves the tree as it was.
+    # ------------------------------------------------------------------ caching pages
+
+    def new_keys(self, root: Root, key: int, data: bytes, extras: list[bytes] | None) -> list[int]:
+        """The keys of new pages (``data``: their token bytes, ``extras``: their extra identity
+        bytes or None) to cache as a chain in ``root``'s namespace after the page with key
+        ``key`` (the namespace seed for the first pages), stopping before the first whose key
+        is already taken in the namespace or repeats in the chain (a hash collision: keys name
+        blocks in events, so they stay unique). Changes nothing, so a hash function that raises
+        or returns a bad key leaves the tree as it was.
 
         Raises TypeError or ValueError when the hash function returns something other than an
         int in ``[0, 2**64)``; whatever the hash function itself raises propagates.
         """
         hash_fn = self.hash_fn
-        index = parent.root.index
-        check = self.check_keys
+        pb = self.page_bytes
         keys: list[int] = []
         append = keys.append
-        key = parent.key
-        for chunk in chunks:
-            key = hash_fn(chunk, key)
-            if check:
-                check_key(key)
-            if key in index:
-                break
-            append(key)
+        if extras is None and not self.check_keys:
+            # The common case, one page per iteration and nothing else.
+            for start in range(0, len(data), pb):
+                key = hash_fn(data[start : start + pb], key)
+                append(key)
+        else:
+            for i, start in enumerate(range(0, len(data), pb)):
+                chunk = data[start : start + pb]
+                if extras is not None:
+                    chunk += extras[i]
+                key = hash_fn(chunk, key)
+                if self.check_keys:
+                    check_key(key)
+                append(key)
+        index = root.index
+        if not index.isdisjoint(keys):
+            # A key is taken in the namespace: stop before it.
+            del keys[next(i for i, key in enumerate(keys) if key in index) :]
+        if len(set(keys)) < len(keys):
+            # A key repeats within the chain (a weak hash function): stop before its second use.
+            seen: set[int] = set()
+            for i, key in enumerate(keys):
+                if key in seen:
+                    del keys[i:]
+                    break
+                seen.add(key)
         return keys
 
-    def extend(
-        self, parent: Node, chunks: list[bytes], pages: list[int], keys: list[int] | None
-    ) -> list[Node]:
-        """Cache ``pages`` (identity bytes ``chunks``) as a chain of new nodes below ``parent``,
-        each held once by the caller, under ``keys`` (from ``new_keys``, one per page) or, when
-        None, keys computed here with the hash function (which must not fail: the default).
-        Returns the new nodes: all pages, or fewer when a key is taken (a collision) or repeats
-        within the chain.
+    def add(
+        self, parent: Node, data: bytes, pages: array, keys: list[int], extras: list[bytes] | None
+    ) -> Node:
+        """Cache ``pages`` (token bytes ``data``, extra bytes ``extras`` or None, keys ``keys``
+        from ``new_keys``) as a new leaf run below ``parent``, held once by the caller.
 
-        parent: held or a root, without a child holding the first page's identity (so a later
-            page cannot have a cached twin either: its parent is new).
+        parent: held or a root, without a child whose run starts with the first page (so no
+            later page can have a cached twin either: its parent is new).
         """
         root = parent.root
-        index = root.index
-        hash_fn = self.hash_fn
-        nodes: list[Node] = []
-        append = nodes.append
-        key = parent.key
-        for i, page in enumerate(pages):
-            chunk = chunks[i]
-            key = hash_fn(chunk, key) if keys is None else keys[i]
-            if key in index:
-                break
-            node = Node(key, parent, page, chunk, root)
-            if i:
-                parent.child = node  # a new node has no other child
-            elif parent.child is None and parent.children is None:
-                parent.child = node
-            else:
-                _add_child(parent, node)
-            index[key] = node
-            append(node)
-            parent = node
-        if nodes:
-            self.num_nodes += len(nodes)
-            self.version += 1
-        return nodes
-
-    def match_chunks(self, root: Root, chunks: list[bytes]) -> list[Node]:
-        """The nodes of the longest cached prefix whose pages have identity bytes ``chunks`` (a
-        prompt with extra keys)."""
-        nodes: list[Node] = []
-        node: Node = root
-        for chunk in chunks:
-            child = node.child_with(chunk)
-            if child is None:
-                break
-            nodes.append(child)
-            node = child
-        return nodes
-
-    def add(self, parent: Node, key: int, page: int, tokens: bytes) -> Node:
-        """``extend`` for one page whose ``key`` is not taken (the decode path)."""
-        root = parent.root
-        node = Node(key, parent, page, tokens, root)
+        # The node's own list: it grows when the run is extended.
+        extras = list(extras) if extras is not None and any(extras) else None
+        # Its own list of keys too: the caller's goes into an event.
+        node = Node(parent, root, bytearray(data), pages, list(keys), extras)
         if parent.child is None and parent.children is None:
             parent.child = node
         else:
-            _add_child(parent, node)
-        root.index[key] = node
-        self.num_nodes += 1
+            add_child(parent, node, self.page_bytes)
+        root.index.update(keys)
+        self.num_pages += len(keys)
         self.version += 1
         return node
 
-    def evict(self, count: int) -> list[Node]:
-        """Remove up to ``count`` nodes from the tree, least recently released unreferenced leaf
-        first, and return them (their pages are the caller's again). Evicting a leaf can make its
-        parent a candidate, so a whole unreferenced path can go in one call."""
+    def extend(
+        self, leaf: Node, data: bytes, pages: array, keys: list[int], extras: list[bytes] | None
+    ) -> None:
+        """Append ``pages`` to ``leaf``'s run in place (same arguments as ``add``).
+
+        leaf: a leaf that only the caller's sequence holds (``ref == 1``), not a root.
+        """
+        leaf.tokens += data
+        leaf.pages += pages
+        leaf.keys.extend(keys)
+        if leaf.extras is not None:
+            leaf.extras += extras if extras is not None else [b""] * len(keys)
+        elif extras is not None and any(extras):
+            leaf.extras = [b""] * (len(leaf.pages) - len(keys)) + extras
+        leaf.root.index.update(keys)
+        self.num_pages += len(keys)
+        self.version += 1
+
+    # ------------------------------------------------------------------ eviction
+
+    def evict(self, count: int) -> list[tuple[Root, list[int], list[int]]]:
+        """Remove up to ``count`` pages from the tree, from the end of the least recently released
+        unreferenced leaf's run first, and return them as ``(root, pages, keys)`` per run they
+        came from, deepest page first (the pages are the caller's again). A leaf whose run is
+        gone can make its parent a candidate, so a whole unreferenced path can go in one call."""
         recent = self.recent
         older = self.older
         heappop = heapq.heappop
-        evicted: list[Node] = []
-        append = evicted.append
+        pb = self.page_bytes
+        evicted: list[tuple[Root, list[int], list[int]]] = []
+        removed = 0
         # The next victim when it is already known: a parent just orphaned by eviction that is
         # older than every candidate. A cold path then goes leaf to root without heap traffic.
         known: Node | None = None
-        for _ in range(count):
+        while removed < count:
             if known is not None:
                 node = known
                 known = None
+                listed = False
             else:
                 while older and older[0][2].lru_serial != older[0][1]:
                     heappop(older)  # stale: the parent was acquired again after it was pushed
                 if recent:
-                    if older and older[0][0] < next(iter(recent)).tick:
-                        node = heappop(older)[2]
-                    else:
-                        node = recent.popitem(last=False)[0]
+                    node = next(iter(recent))
+                    if older and older[0][0] < node.tick:
+                        node = older[0][2]
                 elif older:
-                    node = heappop(older)[2]
+                    node = older[0][2]
                 else:
                     break
+                listed = True
+            root = node.root
+            size = len(node.pages)
+            want = count - removed
+            if want < size:
+                # Part of the run: its end goes, the rest keeps its place in the LRU.
+                keep = size - want
+                pages = node.pages[keep:].tolist()
+                keys = node.keys[keep:]
+                del node.pages[keep:]
+                del node.keys[keep:]
+                del node.tokens[keep * pb :]
+                if node.extras is not None:
+                    del node.extras[keep:]
+                    if not any(node.extras):
+                        node.extras = None
+                pages.reverse()
+                keys.reverse()
+                root.index.difference_update(keys)
+                evicted.append((root, pages, keys))
+                removed += want
+                if not listed:
+                    self._push_older(node)
+                break
+            if listed:
+                if node.lru_serial == 0:
+                    del recent[node]
+                else:
+                    heappop(older)
                 node.lru_serial = -1
                 self.num_lru -= 1
-            del node.root.index[node.key]
-            append(node)
+            pages = node.pages.tolist()
+            keys = node.keys
+            pages.reverse()
+            keys.reverse()
+            root.index.difference_update(keys)
+            evicted.append((root, pages, keys))
+            removed += size
             parent = node.parent
             if parent.child is not node:
-                _remove_child(parent, node)
+                remove_child(parent, node, pb)
                 continue
             parent.child = None
             if parent.ref:
                 continue
-            if type(parent) is Root:
-                del self.roots[parent.namespace]
+            if parent is root:
+                del self.roots[root.namespace]
             elif (
-                len(evicted) < count
+                removed < count
                 and (not recent or parent.tick < next(iter(recent)).tick)
                 and (not older or parent.tick < older[0][0])
             ):
-                # Popped next anyway: ties go to ``recent`` and to older heap entries. (A stale
+                # Taken next anyway: ties go to ``recent`` and to older heap entries. (A stale
                 # heap head is no newer than the live one, so the test is never too lax.)
                 known = parent
             else:
                 self._push_older(parent)
         if known is not None:
             self._push_older(known)
-        removed = len(evicted)
-        self.num_nodes -= removed
+        self.num_pages -= removed
         self.num_unreferenced -= removed
         if removed:
             self.version += 1
         return evicted
+
+    def evict_from_run(self) -> tuple[Root, int, int] | None:
+        """``evict(1)`` in the decode loop's case with a full pool: the victim, the oldest
+        candidate in ``recent``, has more pages than one (and no extra keys), so its last page
+        goes and the run keeps its place. Returns ``(root, page, key)``, or None, changing
+        nothing, in any other case (``evict`` then)."""
+        recent = self.recent
+        if not recent:
+            return None
+        node = next(iter(recent))
+        older = self.older
+        if (older and older[0][0] < node.tick) or len(node.pages) < 2 or node.extras is not None:
+            return None
+        key = node.keys.pop()
+        root = node.root
+        root.index.discard(key)
+        del node.tokens[-self.page_bytes :]
+        self.num_pages -= 1
+        self.num_unreferenced -= 1
+        self.version += 1
+        return root, node.pages.pop(), key
 
     def _push_older(self, parent: Node) -> None:
         """``parent``, unreferenced, became a leaf by eviction: it waits in the heap with its own
@@ -399,27 +491,6 @@ class BlockTree:
         root.ref -= 1
         if root.ref == 0 and root.is_leaf:
             del self.roots[root.namespace]
-
-
-def _add_child(parent: Node, node: Node) -> None:
-    """Make ``node`` a child of ``parent``, which already has one or more (``child`` becomes
-    ``children`` at the second)."""
-    if parent.children is None:
-        only = parent.child
-        parent.children = {only.tokens: only, node.tokens: node}
-        parent.child = None
-    else:
-        parent.children[node.tokens] = node
-
-
-def _remove_child(parent: Node, node: Node) -> None:
-    """Remove ``node`` from the two or more children of ``parent`` (back to ``child`` when one
-    is left)."""
-    children = parent.children
-    del children[node.tokens]
-    if len(children) == 1:
-        (parent.child,) = children.values()
-        parent.children = None
 
 
 def check_key(key: object) -> None:

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import operator
 import threading
+from array import array
 from typing import NamedTuple
 
 import numpy as np
 
-from prefix_cache.block_tree import BlockTree, Node, Root, check_key
+from prefix_cache.block_tree import BlockTree, check_key
 from prefix_cache.errors import ConcurrentUseError, InvariantError, OutOfPages, PrefixCacheError
 from prefix_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from prefix_cache.hashing import (
@@ -29,6 +30,7 @@ from prefix_cache.page_pool import PagePool
 from prefix_cache.sequence import Sequence
 from prefix_cache.stats import CacheStats
 from prefix_cache.tokens import MAX_TOKEN_ID, as_token_array
+from prefix_cache.tree_nodes import Node, Root, Walk
 
 MAX_PAGE_SIZE = 1024
 # Page ids are int32 in block tables.
@@ -39,6 +41,8 @@ _DECODE_HEADROOM_PAGES = 8
 DEFAULT_MAX_EVENTS = 100_000
 _INT32 = np.dtype(np.int32)
 _ONE = (1,)
+# The walk of a prompt with no cached prefix.
+_NO_WALK = Walk([], 0, 0)
 
 __all__ = ["ConcurrentUseError", "InvariantError", "OutOfPages", "PrefixCache", "PrefixCacheError"]
 
@@ -126,7 +130,7 @@ class PrefixCache:
         if hash_fn is not None:
             _check_hash_fn(hash_fn, self._page_size)
         self._pool = PagePool(self._num_pages)
-        self._tree = BlockTree(default_hash_fn if hash_fn is None else hash_fn)
+        self._tree = BlockTree(default_hash_fn if hash_fn is None else hash_fn, self._page_size)
         self._record_events = bool(record_events)
         self._events: list[KVCacheEvent | _PendingStored] = []
         # Set when the backlog overflowed ``max_events``: the next drain resynchronises.
@@ -136,8 +140,8 @@ class PrefixCache:
         self._tables: dict[int, tuple[np.ndarray, list[tuple[Sequence, int, int] | None]]] = {}
         # Held (never waited on) by every call that touches shared state, see the class docstring.
         self._lock = threading.Lock()
-        # (root, tree version, prompt bytes, nodes) of the last walk, see _match.
-        self._last_match: tuple[Root, int, bytes, tuple[Node, ...]] | None = None
+        # (root, tree version, prompt bytes, walk) of the last walk, see _walk.
+        self._last_match: tuple[Root, int, bytes, Walk] | None = None
         self._next_seq_id = 0
         self._query_tokens = 0
         self._hit_tokens = 0
@@ -173,7 +177,7 @@ class PrefixCache:
     @property
     def num_cached_pages(self) -> int:
         """Pages in the block tree (matchable), held or not."""
-        return self._tree.num_nodes
+        return self._tree.num_pages
 
     @property
     def num_live_sequences(self) -> int:
@@ -194,7 +198,7 @@ class PrefixCache:
             evicted_pages=self._evicted_pages,
             num_pages=self._num_pages,
             free_pages=len(self._pool.free),
-            cached_pages=self._tree.num_nodes,
+            cached_pages=self._tree.num_pages,
             evictable_pages=self._tree.num_unreferenced,
             live_sequences=len(self._live),
         )
@@ -216,7 +220,7 @@ class PrefixCache:
             root = self._tree.roots.get(namespace)
             if root is None:
                 return 0
-            return len(self._match(root, arr, None, extras)) * self._page_size
+            return self._walk(root, arr, extras).pages * self._page_size
         finally:
             self._lock.release()
 
@@ -271,12 +275,16 @@ class PrefixCache:
         try:
             tree = self._tree
             root = tree.roots.get(namespace)
-            nodes = self._match(root, arr, None, extras) if root is not None else []
-            needed = -(-(len(arr) + extra_tokens) // self._page_size) - len(nodes)
-            # Refs never grow down a path, so the matched pages nobody holds are its last ones.
+            walk = self._walk(root, arr, extras) if root is not None else None
+            matched = walk.pages if walk is not None else 0
+            needed = -(-(len(arr) + extra_tokens) // self._page_size) - matched
+            # Pages of the matched runs nobody holds: admitting locks them.
             locked = 0
-            while locked < len(nodes) and nodes[-1 - locked].ref == 0:
-                locked += 1
+            if walk is not None and walk.nodes:
+                nodes = walk.nodes
+                locked = sum(len(node.pages) for node in nodes[:-1] if not node.ref)
+                if not nodes[-1].ref:
+                    locked += walk.partial or len(nodes[-1].pages)
             available = len(self._pool.free) + tree.num_unreferenced - locked
             if needed > available:
                 raise OutOfPages(needed, available)
@@ -356,7 +364,7 @@ class PrefixCache:
                     if not lock.acquire(False):
                         self._concurrent()
                     try:
-                        self._store_full_pages(seq, n)
+                        self._store_page(seq, n, token)
                     finally:
                         lock.release()
                 seq._num_tokens = n
@@ -452,13 +460,19 @@ class PrefixCache:
             seq = next(seq for seq in seqs if seq._num_tokens >= seq._num_allocated)
             raise ValueError(f"cannot commit: sequence {seq._id} has no reserved slot (allocate first)")
         page_size = self._page_size
-        for seq, token in zip(seqs, arr.tolist(), strict=True):
-            n = seq._num_tokens
-            seq._tokens[n] = token
-            n += 1
-            if n % page_size == 0:
-                self._store_locked(seq, n)
-            seq._num_tokens = n
+        lock = self._lock
+        if not lock.acquire(False):
+            self._concurrent()
+        try:
+            for seq, token in zip(seqs, arr.tolist(), strict=True):
+                n = seq._num_tokens
+                seq._tokens[n] = token
+                n += 1
+                if n % page_size == 0:
+                    self._store_page(seq, n, token)
+                seq._num_tokens = n
+        finally:
+            lock.release()
 
     def write_block_tables(self, seqs: list[Sequence], out: np.ndarray, rows: object = None) -> int:
         """Write the block tables of ``seqs`` into rows of ``out``, an int32 array
@@ -538,15 +552,18 @@ class PrefixCache:
             self._concurrent()
         try:
             tree = self._tree
-            tree.release(seq._nodes)
+            root = seq._root
+            if seq._node is not root:
+                tree.release(seq._node, root)
             pool = self._pool
-            pool.put_many(seq._pages[len(seq._nodes) : seq._num_pages].tolist())
+            pool.put_many(seq._pages[seq._num_held : seq._num_pages].tolist())
             if seq._dups:
                 pool.put_many(seq._dups)
                 seq._dups = ()
-            tree.release_root(seq._root)
+            tree.release_root(root)
             seq._owner = None
-            seq._nodes = []
+            seq._node = None
+            seq._num_held = 0
             seq._num_pages = 0
             seq._capacity = 0
             self._live.discard(seq)
@@ -581,7 +598,7 @@ class PrefixCache:
                     f"reset with {len(self._live)} sequences open: close them first (their KV was "
                     "computed before the reset and would be cached when they commit)"
                 )
-            self._evict_nodes(self._tree.num_unreferenced)
+            self._evict_pages(self._tree.num_unreferenced)
             # Only stale entries can be left; drop them rather than skip them later.
             self._tree.older.clear()
             self._last_match = None
@@ -650,8 +667,8 @@ class PrefixCache:
         self._events_overflowed = True
 
     def _cached_blocks(self) -> list[BlockStored]:
-        """``BlockStored`` events for every cached block, one per chain of single children, each
-        after its parent's."""
+        """``BlockStored`` events for every cached block, one per chain of runs with single
+        children, each after its parent's."""
         page_size = self._page_size
         events = []
         for root in self._tree.roots.values():
@@ -665,13 +682,16 @@ class PrefixCache:
                     while head.child is not None:
                         head = head.child
                         chain.append(head)
-                    page_bytes = 4 * page_size
-                    extras = [n.tokens[page_bytes:] or None for n in chain]
-                    tokens = b"".join(n.tokens[:page_bytes] for n in chain)
+                    extras = [
+                        (run.extras[i] if run.extras is not None else b"") or None
+                        for run in chain
+                        for i in range(len(run.pages))
+                    ]
+                    tokens = b"".join(bytes(run.tokens) for run in chain)
                     events.append(
                         BlockStored(
-                            block_hashes=[n.key for n in chain],
-                            parent_block_hash=None if node is root else node.key,
+                            block_hashes=[key for run in chain for key in run.keys],
+                            parent_block_hash=None if node is root else node.keys[-1],
                             token_ids=np.frombuffer(tokens, np.int32).tolist(),
                             block_size=page_size,
                             namespace=root.namespace,
@@ -703,56 +723,39 @@ class PrefixCache:
         if extras:
             seq._extras = extras
         root.ref += 1
-        nodes = self._match(root, arr, memoryview(seq._pages), extras)
-        seq._nodes = nodes
-        page_size = self._page_size
-        num_cached = len(nodes) * page_size
-        if nodes:
-            seq._num_pages = len(nodes)
+        walk = self._walk(root, arr, extras)
+        seq._node = root
+        num_cached = 0
+        if walk.pages:
+            seq._node = self._tree.hold(walk, seq._pages, 0)
+            seq._num_held = seq._num_full_pages = seq._num_pages = walk.pages
+            num_cached = walk.pages * self._page_size
             seq._capacity = num_cached
             seq._tokens[:num_cached] = arr[:num_cached]
         seq._num_tokens = seq._num_allocated = seq._num_cached_tokens = num_cached
-        seq._num_full_pages = len(nodes)
         self._opened += 1
         self._query_tokens += len(arr)
         self._hit_tokens += num_cached
 
-    def _match(
-        self, root: Root, arr: np.ndarray, table: memoryview | None, extras: dict[int, bytes]
-    ) -> list[Node]:
-        """Nodes of the longest cached prefix of ``arr`` (with the pages' ``extras``) under
-        ``root``, never covering the last token (the engine needs its logits). With a ``table``
-        (a new sequence's block table) each node gets one more reference and its page id is
-        written to the table."""
-        if root.is_leaf or len(arr) <= self._page_size:
-            return []
+    def _walk(self, root: Root, arr: np.ndarray, extras: dict[int, bytes]) -> Walk:
+        """The longest cached prefix of ``arr`` (with the pages' ``extras``) under ``root``,
+        never covering the last token (the engine needs its logits). Changes nothing."""
+        page_size = self._page_size
+        if root.is_leaf or len(arr) <= page_size:
+            return _NO_WALK
         tree = self._tree
-        num_pages = (len(arr) - 1) // self._page_size
+        num_pages = (len(arr) - 1) // page_size
         data = arr.tobytes()
         if extras:
-            pb = 4 * self._page_size
-            chunks = [data[i * pb : (i + 1) * pb] + extras.get(i, b"") for i in range(num_pages)]
-            nodes = tree.match_chunks(root, chunks)
-            if table is not None:
-                tree.acquire(nodes)
-                for i, node in enumerate(nodes):
-                    table[i] = node.page
-            return nodes
+            return tree.walk(root, data, num_pages, [extras.get(i, b"") for i in range(num_pages)])
         # Engines call match and then open with the same prompt: reuse the walk while the tree
-        # is unchanged (one memcmp of the prompt instead of a lookup per page).
+        # is unchanged (one memcmp of the prompt instead of a walk).
         last = self._last_match
         if last is not None and last[0] is root and last[1] == tree.version and last[2] == data:
-            nodes = list(last[3])
-            if table is not None:
-                tree.acquire(nodes)
-                for i, node in enumerate(nodes):
-                    table[i] = node.page
-            return nodes
-        if table is not None:
-            return tree.lock(root, data, num_pages, 4 * self._page_size, table)
-        nodes = tree.match(root, data, num_pages, 4 * self._page_size)
-        self._last_match = (root, tree.version, data, tuple(nodes))
-        return nodes
+            return last[3]
+        walk = tree.walk(root, data, num_pages, None)
+        self._last_match = (root, tree.version, data, walk)
+        return walk
 
     def _allocate_pages(self, seq: Sequence, end: int) -> None:
         """Slow path of ``allocate``: new pages so ``seq`` can hold ``end`` tokens."""
@@ -760,17 +763,28 @@ class PrefixCache:
         num_pages = -(-end // page_size)
         needed = num_pages - seq._num_pages
         free = self._pool.free
-        if needed > len(free):
-            available = len(free) + self._tree.num_unreferenced
-            if needed > available:
-                raise OutOfPages(needed, available)
+        short = needed - len(free)
+        if short > 0 and short > self._tree.num_unreferenced:
+            raise OutOfPages(needed, len(free) + self._tree.num_unreferenced)
         if num_pages > len(seq._pages):
             # Before any page is taken: a MemoryError here changes nothing.
             seq._grow(num_pages, page_size)
-        if needed > len(free):
-            self._evict(needed - len(free))
+        if short > 0:
+            one = self._tree.evict_from_run() if short == 1 else None
+            if one is None:
+                self._evict(short)
+            else:
+                # The decode loop with a full pool: a page from the end of the oldest run.
+                root, page, key = one
+                free.append(page)
+                self._evicted_pages += 1
+                if self._record_events:
+                    self._emit(BlockRemoved([key], root.namespace))
         if needed == 1:
-            seq._add_page(free.pop(), page_size)
+            count = seq._num_pages
+            seq._pages[count] = free.pop()
+            seq._num_pages = count + 1
+            seq._capacity += page_size
         else:
             seq._add_pages(self._pool.take(needed), page_size)
         seq._num_allocated = end
@@ -784,10 +798,55 @@ class PrefixCache:
         finally:
             self._lock.release()
 
+    def _store_page(self, seq: Sequence, end: int, token: int) -> None:
+        """``_store_full_pages`` for the one page that ``token``, at ``end - 1``, filled (the
+        decode path), in its common case written out: the page goes at the end of the sequence's
+        own leaf run, which only it holds. Anything else takes the general path."""
+        leaf = seq._node
+        if (
+            leaf.ref != 1
+            or leaf.child is not None
+            or leaf.children is not None
+            or leaf is seq._root
+            or seq._broken
+            or seq._extras
+        ):
+            self._store_full_pages(seq, end)
+            return
+        page_size = self._page_size
+        # At page size 1 the page is the token: its int32 bytes without a numpy round trip.
+        data = token.to_bytes(4, "little") if page_size == 1 else seq._tokens[end - page_size : end].tobytes()
+        tree = self._tree
+        parent_key = leaf.keys[-1]
+        key = tree.hash_fn(data, parent_key)
+        if tree.check_keys:
+            check_key(key)
+        full = end // page_size
+        seq._num_full_pages = full
+        index = seq._root.index
+        if key in index:
+            # A hash collision: the page and all later ones stay private.
+            seq._broken = True
+            self._collision_pages += 1
+            return
+        leaf.tokens += data
+        leaf.pages.append(seq._pages.item(full - 1))
+        leaf.keys.append(key)
+        if leaf.extras is not None:
+            leaf.extras.append(b"")
+        index.add(key)
+        tree.num_pages += 1
+        tree.version += 1
+        seq._num_held = full
+        self._stored_pages += 1
+        if self._record_events:
+            self._emit(_PendingStored([key], parent_key, data, seq._namespace))
+
     def _store_full_pages(self, seq: Sequence, end: int) -> None:
         """Offer the pages of ``seq`` that ``end`` committed tokens fill (written to ``seq._tokens``,
-        ``seq._num_tokens`` not yet advanced) to the tree: hold the cached twin of each page while
-        there is one (the sequence's own copy stays private), then cache the rest as new nodes;
+        ``seq._num_tokens`` not yet advanced) to the tree: hold the cached twins of the first
+        ones while there are some (the sequence's own copies stay private), then cache the rest,
+        appended to the sequence's own leaf run when only it holds that leaf, else as a new run;
         after a hash collision the page and all later ones stay private.
 
         Everything that can fail (the caller's hash function) runs before the first change."""
@@ -799,126 +858,98 @@ class PrefixCache:
             self._collision_pages += full - first
             return
         tree = self._tree
-        nodes = seq._nodes
-        parent: Node = nodes[-1] if nodes else seq._root
-        page_bytes = 4 * page_size
+        root = seq._root
+        parent = seq._node
         data = seq._tokens[first * page_size : full * page_size].tobytes()
         seq_extras = seq._extras
-        if full == first + 1:
-            # One page (the decode path): the general code below, unrolled.
-            extra = seq_extras.get(first) if seq_extras else None
-            if extra:
-                data += extra
-            twin = parent.child
-            if twin is None:
-                if parent.children is not None:
-                    twin = parent.children.get(data)
-            elif twin.tokens != data:
-                twin = None
-            if twin is None:
-                key = tree.hash_fn(data, parent.key)
-                if tree.check_keys:
-                    check_key(key)
-                seq._num_full_pages = full
-                if key in seq._root.index:
-                    seq._broken = True
-                    self._collision_pages += 1
-                    return
-                nodes.append(tree.add(parent, key, int(seq._pages[first]), data))
-                self._stored_pages += 1
-                if self._record_events:
-                    parent_key = None if parent is seq._root else parent.key
-                    if extra:
-                        event = _PendingStored([key], parent_key, data[:page_bytes], seq._namespace, [extra])
-                    else:
-                        event = _PendingStored([key], parent_key, data, seq._namespace)
-                    self._emit(event)
-                return
-            seq._num_full_pages = full
-            tree.acquire([twin])
-            nodes.append(twin)
-            seq._dups = [*seq._dups, int(seq._pages[first])]
-            self._duplicate_pages += 1
-            return
-        # Identity bytes of each page: its tokens, then its extra keys (prompt pages only).
-        chunks = [data[start : start + page_bytes] for start in range(0, len(data), page_bytes)]
-        if seq_extras:
-            chunks = [chunk + seq_extras.get(first + i, b"") for i, chunk in enumerate(chunks)]
-        # Cached twins, computed concurrently by other sequences.
-        twins: list[Node] = []
-        for chunk in chunks:
-            node = parent.child_with(chunk)
-            if node is None:
-                break
-            twins.append(node)
-            parent = node
-        index = first + len(twins)
-        new = chunks[len(twins) :]
-        # A caller's hash function may fail: its keys are computed before anything changes. The
-        # default cannot, and computes them as the nodes are made.
-        keys = tree.new_keys(parent, new) if tree.check_keys else None
+        count = full - first
+        page_bytes = 4 * page_size
+        # Extra identity bytes of each page (prompt pages only), None when no page has any.
+        extras = None
+        if seq_extras and any(first + i in seq_extras for i in range(count)):
+            extras = [seq_extras.get(first + i, b"") for i in range(count)]
+        # Cached twins, computed concurrently by other sequences (none after a leaf).
+        if parent.child is None and parent.children is None:
+            walk = _NO_WALK
+        else:
+            walk = tree.walk(parent, data, count, extras)
+        twins = walk.pages
+        after = walk.last(parent)
+        # The key of the last twin (which may end inside its run), or of the sequence's last page.
+        parent_key = after.keys[walk.partial - 1] if walk.partial else after.last_key()
+        new = data[twins * page_bytes :]
+        new_extras = extras[twins:] if extras is not None else None
+        # A caller's hash function may fail: keys are computed before anything changes.
+        keys = tree.new_keys(root, parent_key, new, new_extras) if twins < count else []
         # From here on nothing can fail.
         seq._num_full_pages = full
         if twins:
-            tree.acquire(twins)
-            nodes += twins
-            seq._dups = [*seq._dups, *seq._pages[first:index].tolist()]
-            self._duplicate_pages += len(twins)
-        if index == full:
+            # The block table keeps the sequence's own copies, private until close.
+            seq._node = after = tree.hold(walk, None, 0)
+            seq._dups = [*seq._dups, *seq._pages[first : first + twins].tolist()]
+            seq._num_held = first + twins
+            self._duplicate_pages += twins
+        if twins == count:
             return
-        end = full if keys is None else index + len(keys)
-        stored = tree.extend(parent, new, seq._pages[index:end].tolist(), keys)
-        nodes += stored
-        self._stored_pages += len(stored)
-        if index + len(stored) < full:
+        stored = len(keys)
+        if stored:
+            start = first + twins
+            pages = array("i")
+            pages.frombytes(seq._pages[start : start + stored].tobytes())
+            stored_data = new[: stored * page_bytes]
+            stored_extras = new_extras[:stored] if new_extras is not None else None
+            if after is not root and after.ref == 1 and after.child is None and after.children is None:
+                tree.extend(after, stored_data, pages, keys, stored_extras)
+            else:
+                seq._node = tree.add(after, stored_data, pages, keys, stored_extras)
+            seq._num_held = start + stored
+            self._stored_pages += stored
+            if self._record_events:
+                # Turned into a BlockStored by drain_events, off the per-step path.
+                self._emit(
+                    _PendingStored(
+                        keys,
+                        None if after is root else parent_key,
+                        stored_data,
+                        seq._namespace,
+                        [extra or None for extra in stored_extras]
+                        if stored_extras is not None and any(stored_extras)
+                        else None,
+                    )
+                )
+        if twins + stored < count:
             # A different block holds the key of the next page: it and all after it stay
             # private (a page can only be cached under a cached parent).
             seq._broken = True
-            self._collision_pages += full - index - len(stored)
-        if stored and self._record_events:
-            # Turned into a BlockStored by drain_events, off the per-step path.
-            stored_chunks = new[: len(stored)]
-            extras = [chunk[page_bytes:] or None for chunk in stored_chunks] if seq_extras else None
-            self._emit(
-                _PendingStored(
-                    [node.key for node in stored],
-                    None if parent is seq._root else parent.key,
-                    b"".join(chunk[:page_bytes] for chunk in stored_chunks)
-                    if seq_extras
-                    else data[len(twins) * page_bytes : (len(twins) + len(stored)) * page_bytes],
-                    seq._namespace,
-                    extras if extras and any(extras) else None,
-                )
-            )
+            self._collision_pages += count - twins - stored
 
     def _evict(self, num_pages: int) -> int:
         """Evict up to ``num_pages`` pages in LRU order, with ``BlockRemoved`` events (one per run
         of pages of one namespace); returns the number evicted."""
-        evicted = self._evict_nodes(num_pages)
+        evicted, count = self._evict_pages(num_pages)
         if evicted and self._record_events:
-            root = evicted[0].root
-            if all(node.root is root for node in evicted):
-                self._emit(BlockRemoved([node.key for node in evicted], root.namespace))
-            else:
-                # One event per run of one namespace, so the events keep the eviction order.
-                keys: list[int] = []
-                for node in evicted:
-                    if node.root is not root:
-                        self._emit(BlockRemoved(keys, root.namespace))
-                        root, keys = node.root, []
-                    keys.append(node.key)
-                self._emit(BlockRemoved(keys, root.namespace))
-        return len(evicted)
+            root, _, keys = evicted[0]
+            keys = list(keys)
+            # One event per run of one namespace, so the events keep the eviction order.
+            for other, _, more in evicted[1:]:
+                if other is not root:
+                    self._emit(BlockRemoved(keys, root.namespace))
+                    root, keys = other, []
+                keys += more
+            self._emit(BlockRemoved(keys, root.namespace))
+        return count
 
-    def _evict_nodes(self, num_pages: int) -> list[Node]:
-        """Evict up to ``num_pages`` pages in LRU order (no event); returns the evicted nodes."""
+    def _evict_pages(self, num_pages: int) -> tuple[list[tuple[Root, list[int], list[int]]], int]:
+        """Evict up to ``num_pages`` pages in LRU order (no event); returns them as the tree's
+        ``evict`` does, and their number."""
         evicted = self._tree.evict(num_pages)
-        if len(evicted) == 1:
-            self._pool.put(evicted[0].page)
-        else:
-            self._pool.put_many([node.page for node in evicted])
-        self._evicted_pages += len(evicted)
-        return evicted
+        free = self._pool.free
+        count = 0
+        for _, pages, _ in evicted:
+            free += pages
+            count += len(pages)
+        self._evicted_pages += count
+        return evicted, count
 
     # ------------------------------------------------------------------ checking
 

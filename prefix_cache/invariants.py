@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from prefix_cache.block_tree import Node, Root
 from prefix_cache.errors import InvariantError
 from prefix_cache.hashing import namespace_seed
+from prefix_cache.tree_nodes import Node, Root
 
 if TYPE_CHECKING:
     from prefix_cache.cache import PrefixCache
@@ -21,6 +21,8 @@ class InvariantChecker:
         self.tree = cache._tree
         # page id -> what owns it, to catch a page booked twice.
         self.owner: dict[int, str] = {}
+        # The nodes reachable from the roots.
+        self.reachable: set[Node] = set()
 
     def fail(self, message: str) -> None:
         raise InvariantError(message)
@@ -37,11 +39,12 @@ class InvariantChecker:
         for page in cache._pool.free:
             self.book(page, "free")
         nodes = self.check_tree()
+        self.reachable = set(nodes)
         expected_ref = self.check_sequences()
         for node in nodes:
             holders = expected_ref.get(id(node), 0)
             if node.ref != holders:
-                self.fail(f"page {node.page}: ref {node.ref}, but {holders} live sequences hold it")
+                self.fail(f"{self.name(node)}: ref {node.ref}, but {holders} live sequences hold it")
         for root in tree.roots.values():
             holders = sum(1 for seq in cache._live if seq._root is root)
             if root.ref != holders:
@@ -52,53 +55,83 @@ class InvariantChecker:
 
     def check_tree(self) -> list[Node]:
         tree = self.tree
+        page_bytes = 4 * self.cache._page_size
+        nodes = []
+        pages = 0
         for namespace, root in tree.roots.items():
             if not isinstance(root, Root) or root.namespace != namespace or root.parent is not None:
                 self.fail(f"bad root for namespace {namespace!r}")
-            if root.key != namespace_seed(namespace):
+            if root.seed != namespace_seed(namespace):
                 self.fail(f"root of {namespace!r} has the wrong seed")
             if root.ref == 0 and root.is_leaf:
                 self.fail(f"empty unused root of {namespace!r} was not dropped")
-        children: dict[int, int] = {}
-        nodes = []
-        for root in tree.roots.values():
-            for key, node in root.index.items():
-                nodes.append(node)
-                parent = node.parent
-                if node.key != key or isinstance(node, Root) or parent is None or node.root is not root:
-                    self.fail(f"page {node.page}: indexed under the wrong key or namespace")
-                if parent is not root and root.index.get(parent.key) is not parent:
-                    self.fail(f"page {node.page}: its parent is not in its namespace's tree")
-                if len(node.tokens) < 4 * self.cache._page_size:
-                    self.fail(f"page {node.page}: stores {len(node.tokens)} bytes of tokens")
-                if tree.hash_fn(node.tokens, parent.key) != key:
-                    self.fail(f"page {node.page}: key is not the hash of its tokens")
-                if node.ref < 0 or (node.ref > parent.ref and not isinstance(parent, Root)):
-                    self.fail(f"page {node.page}: ref {node.ref} exceeds its parent's {parent.ref}")
-                if parent.child_with(node.tokens) is not node:
-                    self.fail(f"page {node.page}: not its parent's child under its tokens")
-                children[id(parent)] = children.get(id(parent), 0) + 1
-                self.book(node.page, "cached")
-        for node in [*tree.roots.values(), *nodes]:
-            if node.children is not None and (node.child is not None or len(node.children) < 2):
-                # The hot paths rely on it: one child in ``child``, two or more in ``children``.
-                self.fail(f"page {node.page}: children kept in the wrong slot")
-            listed = len(node.children) if node.children is not None else int(node.child is not None)
-            if listed != children.get(id(node), 0):
-                self.fail(
-                    f"page {node.page}: {listed} children listed, {children.get(id(node), 0)} in the tree"
-                )
-        if len(nodes) != tree.num_nodes:
-            self.fail(f"tree holds {len(nodes)} nodes, counter says {tree.num_nodes}")
-        unreferenced = sum(1 for node in nodes if node.ref == 0)
+            if len(root.pages) or len(root.keys) or root.tokens or root.extras is not None:
+                self.fail(f"root of {namespace!r} holds pages")
+            keys: set[int] = set()
+            stack: list[Node] = [root]
+            while stack:
+                parent = stack.pop()
+                if parent.children is not None and (parent.child is not None or len(parent.children) < 2):
+                    # The hot paths rely on it: one child in ``child``, two or more in ``children``.
+                    self.fail(f"{self.name(parent)}: children kept in the wrong slot")
+                if parent.children is None:
+                    kids = [parent.child] if parent.child is not None else []
+                else:
+                    kids = list(parent.children.values())
+                    for ident, kid in parent.children.items():
+                        if kid.first_identity(page_bytes) != ident:
+                            self.fail(f"{self.name(kid)}: not its parent's child under its first page")
+                for kid in kids:
+                    if kid.parent is not parent or kid.root is not root or isinstance(kid, Root):
+                        self.fail(f"{self.name(kid)}: wrong parent or namespace")
+                    self.check_run(kid, parent, keys)
+                    pages += len(kid.pages)
+                    nodes.append(kid)
+                    stack.append(kid)
+            if keys != root.index:
+                self.fail(f"namespace {namespace!r}: its key index is not the keys of its pages")
+        if pages != tree.num_pages:
+            self.fail(f"tree holds {pages} pages, counter says {tree.num_pages}")
+        unreferenced = sum(len(node.pages) for node in nodes if node.ref == 0)
         if unreferenced != tree.num_unreferenced:
-            self.fail(f"{unreferenced} unreferenced nodes, counter says {tree.num_unreferenced}")
+            self.fail(f"{unreferenced} unreferenced pages, counter says {tree.num_unreferenced}")
         return nodes
+
+    @staticmethod
+    def name(node: Node) -> str:
+        return (
+            f"run of pages {node.pages.tolist()[:4]}..."
+            if len(node.pages) > 4
+            else f"run {node.pages.tolist()}"
+        )
+
+    def check_run(self, node: Node, parent: Node, keys: set[int]) -> None:
+        """One node: its run's shapes, keys (chained, unique in the namespace), reference count
+        and pages."""
+        page_bytes = 4 * self.cache._page_size
+        name = self.name(node)
+        size = len(node.pages)
+        if size == 0 or len(node.keys) != size or len(node.tokens) != size * page_bytes:
+            self.fail(f"{name}: {size} pages, {len(node.keys)} keys, {len(node.tokens)} token bytes")
+        if node.extras is not None and (len(node.extras) != size or not any(node.extras)):
+            self.fail(f"{name}: extra bytes for {len(node.extras)} pages, or none at all")
+        key = parent.last_key()
+        for index in range(size):
+            key = self.tree.hash_fn(node.identity(index, page_bytes), key)
+            if node.keys[index] != key:
+                self.fail(f"{name}: key of page {index} is not the hash of its tokens")
+            if key in keys:
+                self.fail(f"{name}: key of page {index} is taken twice in its namespace")
+            keys.add(key)
+            self.book(node.pages[index], "cached")
+        if node.ref < 0 or (node.ref > parent.ref and not isinstance(parent, Root)):
+            self.fail(f"{name}: ref {node.ref} exceeds its parent's {parent.ref}")
 
     def check_sequences(self) -> dict[int, int]:
         """Check each live sequence; return the expected ref count per node id."""
         cache = self.cache
         page_size = cache._page_size
+        page_bytes = 4 * page_size
         expected_ref: dict[int, int] = {}
         for seq in cache._live:
             name = f"sequence {seq._id}"
@@ -119,30 +152,45 @@ class InvariantChecker:
             full = seq._num_tokens // page_size
             if seq._num_full_pages != full:
                 self.fail(f"{name}: {full} full pages, {seq._num_full_pages} offered to the tree")
-            if len(seq._nodes) > full or (not seq._broken and len(seq._nodes) != full):
-                self.fail(f"{name}: holds {len(seq._nodes)} cached pages of {full} full ones")
-            parent: Node = seq._root
+            held = seq._num_held
+            if held > full or (not seq._broken and held != full):
+                self.fail(f"{name}: holds {held} cached pages of {full} full ones")
+            # Its path: the node it holds deepest and every node above it, root first.
+            path: list[Node] = []
+            node = seq._node
+            while node is not None and node is not seq._root:
+                path.append(node)
+                node = node.parent
+            if node is not seq._root:
+                self.fail(f"{name}: its deepest node is not in its namespace's tree")
+            path.reverse()
+            if sum(len(node.pages) for node in path) != held:
+                self.fail(f"{name}: its path holds {sum(len(n.pages) for n in path)} pages, it counts {held}")
             dups = list(seq._dups)
-            for index, node in enumerate(seq._nodes):
-                if node.parent is not parent or seq._root.index.get(node.key) is not node:
-                    self.fail(f"{name}: page {index} is not in the tree under the page before it")
-                page = int(seq._pages[index])
-                if page != node.page:
-                    # Its own copy of a block another sequence cached first: private to it.
-                    if page not in dups:
-                        self.fail(f"{name}: block table entry {index} is neither a cached page nor a copy")
-                    dups.remove(page)
-                    self.book(page, f"private copy of {name}")
-                tokens = seq._tokens[index * page_size : (index + 1) * page_size].tobytes()
-                if seq._extras:
-                    tokens += seq._extras.get(index, b"")
-                if tokens != node.tokens:
-                    self.fail(f"{name}: page {index} tokens differ from the cached page's")
+            index = 0
+            for node in path:
+                if node not in self.reachable:
+                    self.fail(f"{name}: holds a node that is not in the tree")
+                for i, cached in enumerate(node.pages):
+                    page = int(seq._pages[index])
+                    if page != cached:
+                        # Its own copy of a block another sequence cached first: private to it.
+                        if page not in dups:
+                            self.fail(
+                                f"{name}: block table entry {index} is neither a cached page nor a copy"
+                            )
+                        dups.remove(page)
+                        self.book(page, f"private copy of {name}")
+                    tokens = seq._tokens[index * page_size : (index + 1) * page_size].tobytes()
+                    if seq._extras:
+                        tokens += seq._extras.get(index, b"")
+                    if tokens != node.identity(i, page_bytes):
+                        self.fail(f"{name}: page {index} tokens differ from the cached page's")
+                    index += 1
                 expected_ref[id(node)] = expected_ref.get(id(node), 0) + 1
-                parent = node
             if dups:
                 self.fail(f"{name}: private copies {dups} are not in its block table")
-            for index in range(len(seq._nodes), seq._num_pages):
+            for index in range(held, seq._num_pages):
                 self.book(int(seq._pages[index]), f"private to {name}")
         return expected_ref
 
@@ -152,21 +200,21 @@ class InvariantChecker:
         last_tick = -1
         for node in tree.recent:
             if node.lru_serial != 0:
-                self.fail(f"page {node.page} is in the recent LRU but marked {node.lru_serial}")
+                self.fail(f"{self.name(node)} is in the recent LRU but marked {node.lru_serial}")
             if node.tick < last_tick:
-                self.fail(f"page {node.page}: recent LRU out of tick order")
+                self.fail(f"{self.name(node)}: recent LRU out of tick order")
             last_tick = node.tick
             live[id(node)] = node
         for tick, serial, node in tree.older:
             if node.lru_serial == serial:
                 if id(node) in live:
-                    self.fail(f"page {node.page} has two live LRU entries")
+                    self.fail(f"{self.name(node)} has two live LRU entries")
                 if tick != node.tick:
-                    self.fail(f"page {node.page}: LRU entry tick {tick}, node tick {node.tick}")
+                    self.fail(f"{self.name(node)}: LRU entry tick {tick}, node tick {node.tick}")
                 live[id(node)] = node
         candidates = {id(node) for node in nodes if node.ref == 0 and node.is_leaf}
         if set(live) != candidates:
-            self.fail(f"LRU holds {len(live)} pages, {len(candidates)} unreferenced leaves exist")
+            self.fail(f"LRU holds {len(live)} runs, {len(candidates)} unreferenced leaves exist")
         if len(live) != tree.num_lru:
             self.fail(f"LRU counter {tree.num_lru}, {len(live)} live entries")
         if any(node.lru_serial >= 0 and id(node) not in live for node in nodes):

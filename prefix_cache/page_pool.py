@@ -25,10 +25,6 @@ class PagePool:
         del self.free[-count:]
         return pages
 
-    def put(self, page: int) -> None:
-        """Return one page id."""
-        self.free.append(page)
-
     def put_many(self, pages: Iterable[int]) -> None:
         """Return page ids."""
         self.free.extend(pages)

@@ -6,8 +6,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from prefix_cache.block_tree import Node, Root
 from prefix_cache.hashing import Namespace
+from prefix_cache.tree_nodes import Node, Root
 
 if TYPE_CHECKING:
     from prefix_cache.cache import PrefixCache
@@ -16,7 +16,8 @@ if TYPE_CHECKING:
 class Sequence:
     """One request's pages, created by ``PrefixCache.open`` and released by ``PrefixCache.close``.
 
-    Its pages are, in order: the pages of its cached path (tree nodes it holds a reference on),
+    Its pages are, in order: the pages of its cached path (the runs of the tree nodes it holds a
+    reference on),
     then pages private to it (being filled, reserved, or full but not cacheable after a hash
     collision). A page of the cached path may be the sequence's own copy of a block that another
     sequence cached first (a duplicate): it stays private until ``close``, so a block table never
@@ -33,10 +34,11 @@ class Sequence:
         "_extras",
         "_id",
         "_namespace",
-        "_nodes",
+        "_node",
         "_num_allocated",
         "_num_cached_tokens",
         "_num_full_pages",
+        "_num_held",
         "_num_pages",
         "_num_tokens",
         "_owner",
@@ -76,9 +78,11 @@ class Sequence:
         # Tokens the allocated pages can hold: ``_num_pages * page_size``.
         self._capacity = 0
         self._num_cached_tokens = 0
-        # Held tree nodes of the first ``len(_nodes)`` pages.
-        self._nodes: list[Node] = []
-        # Private pages among the first ``len(_nodes)``: this sequence's copies of blocks another
+        # The deepest tree node it holds (its root when none): it holds that node and every node
+        # above it, whole, and those runs are its first ``_num_held`` pages.
+        self._node: Node | None = root
+        self._num_held = 0
+        # Private pages among the first ``_num_held``: this sequence's copies of blocks another
         # sequence cached first. Freed at close.
         self._dups: list[int] | tuple[()] = ()
         # Full pages already offered to the tree (cached, switched to a duplicate, or left private).
@@ -105,13 +109,6 @@ class Sequence:
         self._pages[self._num_pages : end] = pages
         self._num_pages = end
         self._capacity = end * page_size
-
-    def _add_page(self, page: int, page_size: int) -> None:
-        """Append one page id (the decode path: a scalar store, no list); room must be there."""
-        end = self._num_pages
-        self._pages[end] = page
-        self._num_pages = end + 1
-        self._capacity += page_size
 
     def _grow(self, num_pages: int, page_size: int) -> None:
         """Reallocate the buffers for at least ``num_pages`` pages, at least doubling them. Called

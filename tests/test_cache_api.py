@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_cache_helpers import chain_keys, run_prompt, snapshot
+from test_cache_helpers import chain_keys, held_pages, run_prompt, snapshot
 from xxhash import xxh3_64_intdigest
 
 from prefix_cache.cache import InvariantError, OutOfPages, PrefixCache, PrefixCacheError
@@ -307,7 +307,8 @@ def test_colliding_hash_never_serves_other_tokens() -> None:
     assert cache.stats.collision_pages == 3  # pages, not sequences: 1 before and 2 here
     assert cache.num_cached_pages == 1
     held = set(seq.block_table.tolist())
-    assert cache._tree.roots[None].index[7].page not in held
+    (cached,) = cache._tree.nodes()
+    assert cache._tree.roots[None].index == {7} and cached.pages[0] not in held
     # Same tokens in another namespace: same key, different parent, so no hit either.
     assert cache.match([1, 2, 3], namespace="x") == 0
     cache.close(seq)
@@ -520,7 +521,7 @@ def test_duplicates_then_new_pages_in_one_commit() -> None:
     keys = chain_keys([1, 2, 3, 4, 5, 6], 2)
     assert cache.drain_events() == [BlockStored(keys[1:], keys[0], [3, 4, 5, 6], 2, None)]
     assert b.block_table[0] != a.block_table[0]  # b's own copy of the first page
-    assert [node.page for node in b._nodes] == [a.block_table[0], *b.block_table[1:3]]
+    assert held_pages(b) == [a.block_table[0], *b.block_table[1:3]]
     cache.check_invariants()
     cache.close(a)
     cache.close(b)
@@ -628,7 +629,7 @@ def test_accounting_partition() -> None:
             cache.close(live.pop(0))
         # Held: in a live block table, or a cached page a live sequence holds (one it duplicated).
         held = {p for seq in live for p in seq.block_table.tolist()}
-        held |= {node.page for seq in live for node in seq._nodes}
+        held |= {page for seq in live for page in held_pages(seq)}
         assert cache.num_free_pages + cache.num_evictable_pages + len(held) == 40
         cache.check_invariants()
 
@@ -665,7 +666,7 @@ def corrupt_cases():
         cache._pool.free.pop()
 
     def wrong_ref(cache, seq):
-        seq._nodes[0].ref += 1
+        seq._node.ref += 1
 
     def lost_lru_entry(cache, seq):
         cache._tree.recent.clear()
@@ -682,22 +683,49 @@ def corrupt_cases():
     def wrong_tokens(cache, seq):
         seq._tokens[0] += 1
 
+    # The prompts share their first page, so the first run has two children: the rest of the
+    # held prompt's run, and the evictable leaf.
     def node_tokens_changed(cache, seq):
-        node = seq._nodes[0]
-        node.tokens = bytes(len(node.tokens))
+        node = seq._node
+        node.tokens[:] = bytes(len(node.tokens))
 
     def stray_child(cache, seq):
-        node = seq._nodes[0]
-        node.children = {node.child.tokens: node.child, b"stray": node}
-        node.child = None
+        node = seq._node.parent
+        node.children[b"stray"] = node
 
     def lost_child(cache, seq):
-        seq._nodes[0].child = None
+        node = seq._node.parent
+        node.child = next(iter(node.children.values()))
+        node.children = None
 
     def children_in_wrong_slot(cache, seq):
-        node = seq._nodes[0]
-        node.children = {node.child.tokens: node.child}
-        node.child = None
+        node = seq._node.parent
+        only = node.children.pop(seq._node.first_identity(8))
+        node.children = {only.first_identity(8): only}
+
+    def run_cut_short(cache, seq):
+        node = seq._node
+        del node.pages[-1:]
+
+    def wrong_key(cache, seq):
+        node = seq._node
+        node.keys[-1] ^= 1
+
+    def key_missing_from_index(cache, seq):
+        seq._root.index.discard(seq._node.keys[-1])
+
+    def held_count_wrong(cache, seq):
+        seq._num_held -= 1
+
+    def held_run_unlinked(cache, seq):
+        # Out of the tree, counters and index adjusted: only the sequence still points at it.
+        node = seq._node
+        parent = node.parent
+        del parent.children[node.first_identity(8)]
+        (parent.child,) = parent.children.values()
+        parent.children = None
+        cache._tree.num_pages -= len(node.pages)
+        seq._root.index.difference_update(node.keys)
 
     return [
         free_page_twice,
@@ -712,14 +740,20 @@ def corrupt_cases():
         stray_child,
         lost_child,
         children_in_wrong_slot,
+        run_cut_short,
+        wrong_key,
+        key_missing_from_index,
+        held_count_wrong,
+        held_run_unlinked,
     ]
 
 
 @pytest.mark.parametrize("corrupt", corrupt_cases())
 def test_check_invariants_detects_corruption(corrupt) -> None:
     cache = PrefixCache(num_pages=16, page_size=2)
-    run_prompt(cache, [7, 8, 9])  # an evictable leaf, so the LRU is not empty
-    seq = run_prompt(cache, [1, 2, 3, 4, 5], close=False)
+    run_prompt(cache, [1, 2, 7, 8, 9])  # an evictable leaf, so the LRU is not empty
+    seq = run_prompt(cache, [1, 2, 3, 4, 5, 6, 7], close=False)
+    assert len(seq._node.pages) == 2 and seq._node.parent.children is not None
     cache.check_invariants()
     corrupt(cache, seq)
     with pytest.raises(InvariantError):

@@ -8,10 +8,10 @@ from collections.abc import Sequence as Seq
 import numpy as np
 from xxhash import xxh3_64_intdigest
 
-from prefix_cache.block_tree import Node
 from prefix_cache.cache import PrefixCache
 from prefix_cache.hashing import Namespace, namespace_seed
 from prefix_cache.sequence import Sequence
+from prefix_cache.tree_nodes import Node
 
 
 def snapshot(cache: PrefixCache) -> tuple:
@@ -20,10 +20,11 @@ def snapshot(cache: PrefixCache) -> tuple:
     nodes = sorted(
         (
             repr(n.root.namespace),
-            n.key,
-            n.parent.key,
-            n.page,
-            n.tokens,
+            tuple(n.keys),
+            n.parent.last_key(),
+            tuple(n.pages),
+            bytes(n.tokens),
+            n.extras,
             n.ref,
             n.tick,
             n.lru_serial,
@@ -31,9 +32,9 @@ def snapshot(cache: PrefixCache) -> tuple:
         )
         for n in tree.nodes()
     )
-    roots = sorted((repr(ns), r.ref, child_keys(r)) for ns, r in tree.roots.items())
-    heap = [(tick, serial, node.key) for tick, serial, node in tree.older]
-    recent = [(node.key, node.tick) for node in tree.recent]
+    roots = sorted((repr(ns), r.ref, child_keys(r), sorted(r.index)) for ns, r in tree.roots.items())
+    heap = [(tick, serial, tuple(node.keys)) for tick, serial, node in tree.older]
+    recent = [(tuple(node.keys), node.tick) for node in tree.recent]
     seqs = sorted(
         (
             s._id,
@@ -43,14 +44,15 @@ def snapshot(cache: PrefixCache) -> tuple:
             s._num_pages,
             s.block_table.tobytes(),
             s.tokens.tobytes(),
-            tuple(n.key for n in s._nodes),
+            tuple(held_keys(s)),
+            s._num_held,
             s._num_full_pages,
             s._broken,
             tuple(s._dups),
         )
         for s in cache._live
     )
-    counters = (tree.num_nodes, tree.num_unreferenced, tree.num_lru, tree.tick, tree.version)
+    counters = (tree.num_pages, tree.num_unreferenced, tree.num_lru, tree.tick, tree.version)
     return (
         list(cache._pool.free),
         nodes,
@@ -65,13 +67,39 @@ def snapshot(cache: PrefixCache) -> tuple:
     )
 
 
-def child_keys(node: Node) -> list[tuple[bytes, int]] | None:
-    """A node's children as (tokens, key) pairs, None when it has none."""
+def held_keys(seq: Sequence) -> list[int]:
+    """The keys of the cached pages a live sequence holds, in order (its path of runs)."""
+    keys: list[int] = []
+    node = seq._node
+    while node is not seq._root:
+        keys[:0] = node.keys
+        node = node.parent
+    return keys
+
+
+def held_nodes(seq: Sequence) -> list[Node]:
+    """The nodes a live sequence holds, root side first."""
+    nodes: list[Node] = []
+    node = seq._node
+    while node is not seq._root:
+        nodes.insert(0, node)
+        node = node.parent
+    return nodes
+
+
+def held_pages(seq: Sequence) -> list[int]:
+    """The cached page ids of the runs a live sequence holds (its own copies are in its block
+    table instead)."""
+    return [page for node in held_nodes(seq) for page in node.pages]
+
+
+def child_keys(node: Node) -> list[tuple[bytes, tuple[int, ...]]] | None:
+    """A node's children as (first page identity, keys) pairs, None when it has none."""
     if node.child is not None:
-        return [(node.child.tokens, node.child.key)]
+        return [(bytes(node.child.tokens), tuple(node.child.keys))]
     if node.children is None:
         return None
-    return sorted((tokens, child.key) for tokens, child in node.children.items())
+    return sorted((tokens, tuple(child.keys)) for tokens, child in node.children.items())
 
 
 def chain_keys(tokens: Seq[int], page_size: int, namespace: Namespace = None) -> list[int]:

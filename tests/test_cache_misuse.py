@@ -260,13 +260,16 @@ def _prefixes(events: list, model: dict) -> None:
 def cached_prefixes(cache: PrefixCache) -> set:
     """The tree's cached prefixes, read from the nodes (for comparison with a consumer's view)."""
     found = set()
+    page_size = cache.page_size
     for node in cache._tree.nodes():
         tokens: list[int] = []
-        walk = node
+        walk = node.parent
         while walk.parent is not None:
             tokens[:0] = np.frombuffer(walk.tokens, dtype=np.int32).tolist()
             walk = walk.parent
-        found.add((walk.namespace, tuple(tokens)))
+        run = np.frombuffer(node.tokens, dtype=np.int32).tolist()
+        for end in range(page_size, len(run) + 1, page_size):  # every page of the run
+            found.add((walk.namespace, tuple(tokens + run[:end])))
     return found
 
 

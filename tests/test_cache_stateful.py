@@ -482,14 +482,20 @@ class CacheMachine(RuleBasedStateMachine):
         tree_prefixes: dict[object, set[tuple[int, ...]]] = {ns: set() for ns in NAMESPACES}
         page_bytes = 4 * self.ps
         for node in cache._tree.nodes():
-            tokens: list = []
+            # Every page of the node's run, after the pages of the runs above it.
+            runs = []
             walk = node
             while walk.parent is not None:
-                extra = walk.tokens[page_bytes:]
-                page = np.frombuffer(walk.tokens[:page_bytes], dtype=np.int32).tolist()
-                tokens[:0] = [(t, extra) for t in page]
+                runs.insert(0, walk)
                 walk = walk.parent
-            tree_prefixes[walk.namespace].add(tuple(tokens))
+            tokens: list = []
+            for run in runs:
+                for i in range(len(run.pages)):
+                    identity = run.identity(i, page_bytes)
+                    page = np.frombuffer(identity[:page_bytes], dtype=np.int32).tolist()
+                    tokens += [(t, identity[page_bytes:]) for t in page]
+                    if run is node:
+                        tree_prefixes[walk.namespace].add(tuple(tokens))
         assert tree_prefixes == {ns: set(cached) for ns, cached in self.cached.items()}
         unreferenced = sum(
             1 for ns, cached in self.cached.items() for prefix in cached if not self.refs.get((ns, prefix))
