@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_attention import CASES, build_batch
+from bench_attention import CASES, build_batch, graphed
 
 from prefix_cache import CascadePlanner
 from prefix_cache.attention import create_backend
@@ -48,20 +48,12 @@ def per_call_us(fn, calls: int, wait: bool) -> float:
 
 def graph_us(fn, runs: int = 20) -> float:
     """GPU µs per call: ``runs`` calls captured in one CUDA graph, replayed (median of 5)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(runs):
-            fn()
+    replay = graphed(lambda: [fn() for _ in range(runs)])
     times = []
     for _ in range(5):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        graph.replay()
+        replay()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / runs)
