@@ -11,7 +11,7 @@ from array import array
 
 from prefix_cache.block_tree import BlockTree, check_key
 from prefix_cache.errors import OutOfPages
-from prefix_cache.event_log import EventLog, PendingStored
+from prefix_cache.event_log import EventLog
 from prefix_cache.events import BlockRemoved
 from prefix_cache.page_pool import PagePool
 from prefix_cache.sequence import Sequence
@@ -127,7 +127,7 @@ class PageStore:
         self.stored_pages += 1
         events = self.events
         if events is not None:
-            events.emit(PendingStored([key], parent_key, data, seq._namespace))
+            events.emit(([key], parent_key, data, seq._namespace, None))
 
     def store_full_pages(self, seq: Sequence, end: int) -> None:
         """Offer the pages of ``seq`` that ``end`` committed tokens fill (written to ``seq._tokens``,
@@ -195,7 +195,7 @@ class PageStore:
             if events is not None:
                 # Turned into a BlockStored by drain_events, off the per-step path.
                 events.emit(
-                    PendingStored(
+                    (
                         keys,
                         None if after is root else parent_key,
                         stored_data,
