@@ -54,9 +54,20 @@ class PageStore:
         """New pages so ``seq`` can hold ``end`` tokens (``PrefixCache.allocate`` past the last
         page), evicting when the pool is short; all or nothing: ``OutOfPages`` changes nothing."""
         page_size = self.page_size
-        num_pages = -(-end // page_size)
-        needed = num_pages - seq._num_pages
         free = self.pool.free
+        count = seq._num_pages
+        if end <= seq._capacity + page_size and count < len(seq._pages):
+            # One more page and room for it, the decode loop's case, written out: from the pool,
+            # else from the end of the oldest run. Anything else takes the general path below.
+            page = free.pop() if free else self._evict_from_run()
+            if page is not None:
+                seq._pages[count] = page
+                seq._num_pages = count + 1
+                seq._capacity += page_size
+                seq._num_allocated = end
+                return
+        num_pages = -(-end // page_size)
+        needed = num_pages - count
         short = needed - len(free)
         if short > 0 and short > self.tree.num_unreferenced:
             raise OutOfPages(needed, len(free) + self.tree.num_unreferenced)
@@ -64,25 +75,22 @@ class PageStore:
             # Before any page is taken: a MemoryError here changes nothing.
             seq._grow(num_pages, page_size)
         if short > 0:
-            one = self.tree.evict_from_run() if short == 1 else None
-            if one is None:
-                self.evict(short)
-            else:
-                # The decode loop with a full pool: a page from the end of the oldest run.
-                root, page, key = one
-                free.append(page)
-                self.evicted_pages += 1
-                events = self.events
-                if events is not None:
-                    events.emit(BlockRemoved([key], root.namespace))
-        if needed == 1:
-            count = seq._num_pages
-            seq._pages[count] = free.pop()
-            seq._num_pages = count + 1
-            seq._capacity += page_size
-        else:
-            seq._add_pages(self.pool.take(needed), page_size)
+            self.evict(short)
+        seq._add_pages(self.pool.take(needed), page_size)
         seq._num_allocated = end
+
+    def _evict_from_run(self) -> int | None:
+        """The page of ``tree.evict_from_run``, evicted with its event, or None (nothing changed)
+        when the oldest candidate is not a run of several pages: ``evict`` then."""
+        one = self.tree.evict_from_run()
+        if one is None:
+            return None
+        root, page, key = one
+        self.evicted_pages += 1
+        events = self.events
+        if events is not None:
+            events.emit(BlockRemoved([key], root.namespace))
+        return page
 
     def store_page(self, seq: Sequence, end: int, token: int) -> None:
         """``_store_full_pages`` for the one page that ``token``, at ``end - 1``, filled (the
@@ -110,7 +118,10 @@ class PageStore:
         full = end // page_size
         seq._num_full_pages = full
         index = seq._root.index
-        if key in index:
+        # One set operation: adding a key the index holds changes nothing.
+        size = len(index)
+        index.add(key)
+        if len(index) == size:
             # A hash collision: the page and all later ones stay private.
             seq._broken = True
             self.collision_pages += 1
@@ -120,7 +131,6 @@ class PageStore:
         leaf.keys.append(key)
         if leaf.extras is not None:
             leaf.extras.append(b"")
-        index.add(key)
         tree.num_pages += 1
         tree.version += 1
         seq._num_held = full
@@ -167,7 +177,7 @@ class PageStore:
         new = data[twins * page_bytes :]
         new_extras = extras[twins:] if extras is not None else None
         # A caller's hash function may fail: keys are computed before anything changes.
-        keys = tree.new_keys(root, parent_key, new, new_extras) if twins < count else []
+        keys = tree.page_keys(parent_key, new, new_extras) if twins < count else []
         # From here on nothing can fail.
         seq._num_full_pages = full
         if twins:
@@ -178,6 +188,7 @@ class PageStore:
             self.duplicate_pages += twins
         if twins == count:
             return
+        tree.claim_keys(root, keys)
         stored = len(keys)
         if stored:
             start = first + twins
