@@ -5,14 +5,18 @@ from __future__ import annotations
 import numpy as np
 
 from prefix_cache.block_tree import BlockTree
-from prefix_cache.events import AllBlocksCleared, BlockStored, KVCacheEvent
+from prefix_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from prefix_cache.hashing import Namespace
 from prefix_cache.tree_nodes import Node
 
-#: A ``BlockStored`` event as recorded on the hot path, tokens still as int32 bytes:
-#: ``(block_hashes, parent_block_hash, token_bytes, namespace, extra_keys)``. A plain tuple, since
-#: building a named one costs several times more, once per cached page at page size 1.
+#: ``BlockStored`` and ``BlockRemoved`` events as recorded on the hot path, plain tuples since
+#: building the frozen dataclasses costs several times more (once per cached or evicted page in
+#: the decode loop at page size 1); ``drain`` builds the events. Stored: ``(block_hashes,
+#: parent_block_hash, token_bytes, namespace, extra_keys)``, tokens still as int32 bytes;
+#: removed: ``(block_hashes, namespace)``.
 PendingStored = tuple[list[int], int | None, bytes, Namespace, list[bytes | None] | None]
+PendingRemoved = tuple[list[int], Namespace]
+Pending = KVCacheEvent | PendingStored | PendingRemoved
 
 
 class EventLog:
@@ -28,11 +32,11 @@ class EventLog:
 
     def __init__(self, max_events: int) -> None:
         self.max_events = max_events
-        self.pending: list[KVCacheEvent | PendingStored] = []
+        self.pending: list[Pending] = []
         #: Set when the backlog overflowed ``max_events``: the next drain resynchronises.
         self.overflowed = False
 
-    def emit(self, event: KVCacheEvent | PendingStored) -> None:
+    def emit(self, event: Pending) -> None:
         """Keep ``event``, or note the overflow of ``max_events``."""
         pending = self.pending
         if len(pending) < self.max_events:
@@ -59,7 +63,11 @@ class EventLog:
         self.pending = []
         page_size = tree.page_size
         return [
-            BlockStored(
+            event
+            if type(event) is not tuple
+            else BlockRemoved(block_hashes=event[0], namespace=event[1])
+            if len(event) == 2
+            else BlockStored(
                 block_hashes=event[0],
                 parent_block_hash=event[1],
                 token_ids=np.frombuffer(event[2], dtype=np.int32).tolist(),
@@ -67,8 +75,6 @@ class EventLog:
                 namespace=event[3],
                 extra_keys=event[4],
             )
-            if type(event) is tuple
-            else event
             for event in events
         ]
 

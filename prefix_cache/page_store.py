@@ -12,7 +12,6 @@ from array import array
 from prefix_cache.block_tree import BlockTree, check_key
 from prefix_cache.errors import OutOfPages
 from prefix_cache.event_log import EventLog
-from prefix_cache.events import BlockRemoved
 from prefix_cache.page_pool import PagePool
 from prefix_cache.sequence import Sequence
 from prefix_cache.tree_nodes import NO_WALK, Root
@@ -89,7 +88,7 @@ class PageStore:
         self.evicted_pages += 1
         events = self.events
         if events is not None:
-            events.emit(BlockRemoved([key], root.namespace))
+            events.emit(([key], root.namespace))
         return page
 
     def store_page(self, seq: Sequence, end: int, token: int) -> None:
@@ -233,10 +232,10 @@ class PageStore:
             # One event per run of one namespace, so the events keep the eviction order.
             for other, _, more in evicted[1:]:
                 if other is not root:
-                    events.emit(BlockRemoved(keys, root.namespace))
+                    events.emit((keys, root.namespace))
                     root, keys = other, []
                 keys += more
-            events.emit(BlockRemoved(keys, root.namespace))
+            events.emit((keys, root.namespace))
         return count
 
     def evict_pages(self, num_pages: int) -> tuple[list[tuple[Root, list[int], list[int]]], int]:
