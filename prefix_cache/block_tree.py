@@ -288,23 +288,19 @@ class BlockTree:
         int in ``[0, 2**64)``; whatever the hash function itself raises propagates.
         """
         hash_fn = self.hash_fn
+        if extras is None and not self.check_keys:
+            # The common case, one page per iteration and nothing else: each key seeds the next.
+            return [key := hash_fn(page, key) for (page,) in self._page_struct.iter_unpack(data)]
         pb = self.page_bytes
         keys: list[int] = []
-        append = keys.append
-        if extras is None and not self.check_keys:
-            # The common case, one page per iteration and nothing else.
-            for (page,) in self._page_struct.iter_unpack(data):
-                key = hash_fn(page, key)
-                append(key)
-        else:
-            for i, start in enumerate(range(0, len(data), pb)):
-                chunk = data[start : start + pb]
-                if extras is not None:
-                    chunk += extras[i]
-                key = hash_fn(chunk, key)
-                if self.check_keys:
-                    check_key(key)
-                append(key)
+        for i, start in enumerate(range(0, len(data), pb)):
+            chunk = data[start : start + pb]
+            if extras is not None:
+                chunk += extras[i]
+            key = hash_fn(chunk, key)
+            if self.check_keys:
+                check_key(key)
+            keys.append(key)
         return keys
 
     def claim_keys(self, root: Root, keys: list[int]) -> None:
