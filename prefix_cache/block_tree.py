@@ -46,6 +46,7 @@ the pool. Only leaves are candidates, so on a cached path only the last node can
 from __future__ import annotations
 
 import heapq
+import struct
 from array import array
 from collections import OrderedDict
 
@@ -72,6 +73,8 @@ class BlockTree:
         self.check_keys = hash_fn is not default_hash_fn
         self.page_size = page_size
         self.page_bytes = 4 * page_size
+        # Splits token bytes into pages in C: cheaper per page than slicing in a Python loop.
+        self._page_struct = struct.Struct(f"{self.page_bytes}s")
         self.roots: dict[Namespace, Root] = {}
         #: Bumped whenever a node is added, removed, split or extended, so a walk can be reused
         #: while the tree is unchanged.
@@ -275,54 +278,59 @@ class BlockTree:
 
     # ------------------------------------------------------------------ caching pages
 
-    def new_keys(self, root: Root, key: int, data: bytes, extras: list[bytes] | None) -> list[int]:
-        """The keys of new pages (``data``: their token bytes, ``extras``: their extra identity
-        bytes or None) to cache as a chain in ``root``'s namespace after the page with key
-        ``key`` (the namespace seed for the first pages), stopping before the first whose key
-        is already taken in the namespace or repeats in the chain (a hash collision: keys name
-        blocks in events, so they stay unique). Changes nothing, so a hash function that raises
-        or returns a bad key leaves the tree as it was.
+    def page_keys(self, key: int, data: bytes, extras: list[bytes] | None) -> list[int]:
+        """The chained keys of pages (``data``: their token bytes, ``extras``: their extra identity
+        bytes or None) after the page with key ``key`` (the namespace seed for a prompt's first
+        page). Changes nothing, so a hash function that raises or returns a bad key leaves the
+        tree as it was.
 
         Raises TypeError or ValueError when the hash function returns something other than an
         int in ``[0, 2**64)``; whatever the hash function itself raises propagates.
         """
         hash_fn = self.hash_fn
+        if extras is None and not self.check_keys:
+            # The common case, one page per iteration and nothing else: each key seeds the next.
+            return [key := hash_fn(page, key) for (page,) in self._page_struct.iter_unpack(data)]
         pb = self.page_bytes
         keys: list[int] = []
-        append = keys.append
-        if extras is None and not self.check_keys:
-            # The common case, one page per iteration and nothing else.
-            for start in range(0, len(data), pb):
-                key = hash_fn(data[start : start + pb], key)
-                append(key)
-        else:
-            for i, start in enumerate(range(0, len(data), pb)):
-                chunk = data[start : start + pb]
-                if extras is not None:
-                    chunk += extras[i]
-                key = hash_fn(chunk, key)
-                if self.check_keys:
-                    check_key(key)
-                append(key)
+        for i, start in enumerate(range(0, len(data), pb)):
+            chunk = data[start : start + pb]
+            if extras is not None:
+                chunk += extras[i]
+            key = hash_fn(chunk, key)
+            if self.check_keys:
+                check_key(key)
+            keys.append(key)
+        return keys
+
+    def claim_keys(self, root: Root, keys: list[int]) -> None:
+        """Enter ``keys`` (from ``page_keys``, of pages about to be cached as a chain by ``add`` or
+        ``extend``) in ``root``'s key index, first cutting ``keys`` in place before the first one
+        already taken in the namespace or repeated in the chain (a hash collision: keys name
+        blocks in events, so they stay unique)."""
         index = root.index
         if not index.isdisjoint(keys):
             # A key is taken in the namespace: stop before it.
             del keys[next(i for i, key in enumerate(keys) if key in index) :]
-        if len(set(keys)) < len(keys):
+        size = len(index)
+        index.update(keys)
+        if len(index) - size < len(keys):
             # A key repeats within the chain (a weak hash function): stop before its second use.
+            # None was in the index before, so removing them all restores it.
+            index.difference_update(keys)
             seen: set[int] = set()
             for i, key in enumerate(keys):
                 if key in seen:
                     del keys[i:]
                     break
                 seen.add(key)
-        return keys
+            index.update(keys)
 
     def add(
         self, parent: Node, data: bytes, pages: array, keys: list[int], extras: list[bytes] | None
     ) -> Node:
         """Cache ``pages`` (token bytes ``data``, extra bytes ``extras`` or None, keys ``keys``
-        from ``new_keys``) as a new leaf run below ``parent``, held once by the caller.
+        claimed by ``claim_keys``) as a new leaf run below ``parent``, held once by the caller.
 
         parent: held or a root, without a child whose run starts with the first page (so no
             later page can have a cached twin either: its parent is new).
@@ -336,7 +344,6 @@ class BlockTree:
             parent.child = node
         else:
             add_child(parent, node, self.page_bytes)
-        root.index.update(keys)
         self.num_pages += len(keys)
         self.version += 1
         return node
@@ -355,7 +362,6 @@ class BlockTree:
             leaf.extras += extras if extras is not None else [b""] * len(keys)
         elif extras is not None and any(extras):
             leaf.extras = [b""] * (len(leaf.pages) - len(keys)) + extras
-        leaf.root.index.update(keys)
         self.num_pages += len(keys)
         self.version += 1
 

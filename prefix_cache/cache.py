@@ -1,36 +1,33 @@
 """``PrefixCache``: the engine-facing bookkeeping of KV pages shared by common prompt prefixes.
 
-The errors it raises live in :mod:`prefix_cache.errors` and its consistency check in
-:mod:`prefix_cache.invariants`; both are re-exported here.
+This module is the public API: argument checks (:mod:`prefix_cache.arguments`), the lock, and the
+sequences' lifecycle. Pages move between the pool, sequences and the block tree in
+:mod:`prefix_cache.page_store`; events wait in :mod:`prefix_cache.event_log`; block tables are
+written into callers' buffers by :mod:`prefix_cache.block_tables`. The errors it raises live in
+:mod:`prefix_cache.errors` and its consistency check in :mod:`prefix_cache.invariants`; both are
+re-exported here.
 """
 
 from __future__ import annotations
 
-import operator
 import threading
-from array import array
-from typing import NamedTuple
 
 import numpy as np
 
-from prefix_cache.block_tree import BlockTree, check_key
+from prefix_cache.arguments import check_batch, check_hash_fn, check_int, reject
+from prefix_cache.block_tables import BlockTableWriter
+from prefix_cache.block_tree import BlockTree
 from prefix_cache.errors import ConcurrentUseError, InvariantError, OutOfPages, PrefixCacheError
-from prefix_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
-from prefix_cache.hashing import (
-    ExtraKey,
-    HashFn,
-    Namespace,
-    check_namespace,
-    default_hash_fn,
-    namespace_seed,
-    page_extras,
-)
+from prefix_cache.event_log import EventLog
+from prefix_cache.events import KVCacheEvent
+from prefix_cache.hashing import ExtraKey, HashFn, Namespace, check_namespace, default_hash_fn, page_extras
 from prefix_cache.invariants import InvariantChecker
 from prefix_cache.page_pool import PagePool
+from prefix_cache.page_store import PageStore
 from prefix_cache.sequence import Sequence
 from prefix_cache.stats import CacheStats
 from prefix_cache.tokens import MAX_TOKEN_ID, as_token_array
-from prefix_cache.tree_nodes import Node, Root, Walk
+from prefix_cache.tree_nodes import NO_WALK, Root, Walk
 
 MAX_PAGE_SIZE = 1024
 # Page ids are int32 in block tables.
@@ -41,45 +38,8 @@ _DECODE_HEADROOM_PAGES = 8
 DEFAULT_MAX_EVENTS = 100_000
 _INT32 = np.dtype(np.int32)
 _ONE = (1,)
-# The walk of a prompt with no cached prefix.
-_NO_WALK = Walk([], 0, 0)
 
 __all__ = ["ConcurrentUseError", "InvariantError", "OutOfPages", "PrefixCache", "PrefixCacheError"]
-
-
-class _PendingStored(NamedTuple):
-    """A ``BlockStored`` event as recorded on the hot path: tokens still as int32 bytes."""
-
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_bytes: bytes
-    namespace: Namespace
-    extras: list[bytes | None] | None = None
-
-
-def _check_int(name: str, value: object, low: int, high: int | None = None) -> int:
-    """``value`` as an int in ``[low, high]``; TypeError for non-integers (bools included)."""
-    if isinstance(value, (bool, float, complex)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    try:
-        number = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
-    if number < low or (high is not None and number > high):
-        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
-        raise ValueError(f"{name} must be {bound}, got {number}")
-    return number
-
-
-def _check_hash_fn(hash_fn: object, page_size: int) -> None:
-    """Raise TypeError unless ``hash_fn`` takes (page bytes, parent key) and returns a key."""
-    if not callable(hash_fn):
-        raise TypeError(f"hash_fn must be callable, got {type(hash_fn).__name__}")
-    try:
-        key = hash_fn(bytes(4 * page_size), namespace_seed(None))
-    except Exception as exc:
-        raise TypeError(f"hash_fn(page_bytes, parent_key) failed on a page of zeros: {exc!r}") from exc
-    check_key(key)
 
 
 class PrefixCache:
@@ -124,20 +84,22 @@ class PrefixCache:
         record_events: bool = True,
         max_events: int = DEFAULT_MAX_EVENTS,
     ) -> None:
-        self._num_pages = _check_int("num_pages", num_pages, 1, MAX_NUM_PAGES)
-        self._page_size = _check_int("page_size", page_size, 1, MAX_PAGE_SIZE)
-        self._max_events = _check_int("max_events", max_events, 1)
+        self._num_pages = check_int("num_pages", num_pages, 1, MAX_NUM_PAGES)
+        self._page_size = check_int("page_size", page_size, 1, MAX_PAGE_SIZE)
+        self._max_events = check_int("max_events", max_events, 1)
         if hash_fn is not None:
-            _check_hash_fn(hash_fn, self._page_size)
-        self._pool = PagePool(self._num_pages)
-        self._tree = BlockTree(default_hash_fn if hash_fn is None else hash_fn, self._page_size)
-        self._record_events = bool(record_events)
-        self._events: list[KVCacheEvent | _PendingStored] = []
-        # Set when the backlog overflowed ``max_events``: the next drain resynchronises.
-        self._events_overflowed = False
+            check_hash_fn(hash_fn, self._page_size)
+        self._events = EventLog(self._max_events) if record_events else None
+        self._store = PageStore(
+            PagePool(self._num_pages),
+            BlockTree(default_hash_fn if hash_fn is None else hash_fn, self._page_size),
+            self._events,
+        )
+        # The store's pool and tree, read by the calls that only check or release.
+        self._pool = self._store.pool
+        self._tree = self._store.tree
         self._live: set[Sequence] = set()
-        # id(buffer) -> (buffer, per row: (sequence, rollbacks, entries)), see write_block_tables.
-        self._tables: dict[int, tuple[np.ndarray, list[tuple[Sequence, int, int] | None]]] = {}
+        self._block_tables = BlockTableWriter()
         # Held (never waited on) by every call that touches shared state, see the class docstring.
         self._lock = threading.Lock()
         # (root, tree version, prompt bytes, walk) of the last walk, see _walk.
@@ -147,10 +109,6 @@ class PrefixCache:
         self._hit_tokens = 0
         self._opened = 0
         self._closed = 0
-        self._stored_pages = 0
-        self._duplicate_pages = 0
-        self._collision_pages = 0
-        self._evicted_pages = 0
 
     # ------------------------------------------------------------------ properties
 
@@ -186,16 +144,17 @@ class PrefixCache:
     @property
     def stats(self) -> CacheStats:
         """A snapshot of the counters and the occupancy now."""
+        store = self._store
         return CacheStats(
             query_tokens=self._query_tokens,
             hit_tokens=self._hit_tokens,
             hit_rate=self._hit_tokens / self._query_tokens if self._query_tokens else 0.0,
             opened_sequences=self._opened,
             closed_sequences=self._closed,
-            stored_pages=self._stored_pages,
-            duplicate_pages=self._duplicate_pages,
-            collision_pages=self._collision_pages,
-            evicted_pages=self._evicted_pages,
+            stored_pages=store.stored_pages,
+            duplicate_pages=store.duplicate_pages,
+            collision_pages=store.collision_pages,
+            evicted_pages=store.evicted_pages,
             num_pages=self._num_pages,
             free_pages=len(self._pool.free),
             cached_pages=self._tree.num_pages,
@@ -267,7 +226,7 @@ class PrefixCache:
         """
         arr = as_token_array(tokens)
         check_namespace(namespace)
-        extra_tokens = _check_int("extra_tokens", extra_tokens, 0)
+        extra_tokens = check_int("extra_tokens", extra_tokens, 0)
         extras = page_extras(extra_keys, len(arr), self._page_size)
         seq = self._new_sequence(arr, namespace, extra_tokens)
         if not self._lock.acquire(False):
@@ -289,7 +248,7 @@ class PrefixCache:
             if needed > available:
                 raise OutOfPages(needed, available)
             self._open(seq, arr, namespace, extras)
-            self._allocate_pages(seq, len(arr) + extra_tokens)
+            self._store.allocate(seq, len(arr) + extra_tokens)
             return seq
         finally:
             self._lock.release()
@@ -310,9 +269,9 @@ class PrefixCache:
         except AttributeError:
             raise TypeError(f"expected a Sequence, got {type(seq).__name__}") from None
         if owner is not self:
-            self._reject(seq)
+            reject(self, seq)
         if type(num_tokens) is not int:
-            num_tokens = _check_int("num_tokens", num_tokens, 0)
+            num_tokens = check_int("num_tokens", num_tokens, 0)
         elif num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         end = seq._num_allocated + num_tokens
@@ -323,7 +282,7 @@ class PrefixCache:
         if not self._lock.acquire(False):
             self._concurrent()
         try:
-            self._allocate_pages(seq, end)
+            self._store.allocate(seq, end)
         finally:
             self._lock.release()
 
@@ -342,7 +301,7 @@ class PrefixCache:
         except AttributeError:
             raise TypeError(f"expected a Sequence, got {type(seq).__name__}") from None
         if owner is not self:
-            self._reject(seq)
+            reject(self, seq)
         # The per-token decode path: one token (a 1-element list of int or int32 array), room
         # reserved. Anything else, including every error, takes the general path below.
         n = seq._num_tokens
@@ -364,7 +323,7 @@ class PrefixCache:
                     if not lock.acquire(False):
                         self._concurrent()
                     try:
-                        self._store_page(seq, n, token)
+                        self._store.store_page(seq, n, token)
                     finally:
                         lock.release()
                 seq._num_tokens = n
@@ -398,8 +357,8 @@ class PrefixCache:
         except AttributeError:
             raise TypeError(f"expected a Sequence, got {type(seq).__name__}") from None
         if owner is not self:
-            self._reject(seq)
-        num_tokens = _check_int("num_tokens", num_tokens, seq._num_tokens, seq._num_allocated)
+            reject(self, seq)
+        num_tokens = check_int("num_tokens", num_tokens, seq._num_tokens, seq._num_allocated)
         if not self._lock.acquire(False):
             self._concurrent()
         try:
@@ -419,8 +378,8 @@ class PrefixCache:
         or nothing: raises ``OutOfPages`` and changes nothing when the pages for all of them cannot
         be supplied."""
         if type(num_tokens) is not int or num_tokens < 0:
-            num_tokens = _check_int("num_tokens", num_tokens, 0)
-        self._check_batch(seqs)
+            num_tokens = check_int("num_tokens", num_tokens, 0)
+        check_batch(self, seqs)
         short = [seq for seq in seqs if seq._num_allocated + num_tokens > seq._capacity]
         if not short:
             for seq in seqs:
@@ -443,7 +402,7 @@ class PrefixCache:
                 if end <= seq._capacity:
                     seq._num_allocated = end
                 else:
-                    self._allocate_pages(seq, end)
+                    self._store.allocate(seq, end)
         finally:
             self._lock.release()
 
@@ -455,7 +414,7 @@ class PrefixCache:
         arr = as_token_array(tokens)
         if len(arr) != len(seqs):
             raise ValueError(f"tokens has {len(arr)} entries for {len(seqs)} sequences")
-        self._check_batch(seqs)
+        check_batch(self, seqs)
         if not all(seq._num_tokens < seq._num_allocated for seq in seqs):
             seq = next(seq for seq in seqs if seq._num_tokens >= seq._num_allocated)
             raise ValueError(f"cannot commit: sequence {seq._id} has no reserved slot (allocate first)")
@@ -469,7 +428,7 @@ class PrefixCache:
                 seq._tokens[n] = token
                 n += 1
                 if n % page_size == 0:
-                    self._store_page(seq, n, token)
+                    self._store.store_page(seq, n, token)
                 seq._num_tokens = n
         finally:
             lock.release()
@@ -487,56 +446,14 @@ class PrefixCache:
             raise TypeError("out must be a 2-D int32 numpy array [max_requests, max_pages]")
         if not out.flags.writeable:
             raise ValueError("out must be writeable")
-        self._check_batch(seqs)
+        check_batch(self, seqs)
         if rows is None:
-            row_ids: object = range(len(seqs))
+            row_ids: range | list[int] = range(len(seqs))
         else:
-            row_ids = [_check_int("rows", row, 0) for row in rows]
+            row_ids = [check_int("rows", row, 0) for row in rows]
             if len(row_ids) != len(seqs):
                 raise ValueError(f"rows has {len(row_ids)} entries for {len(seqs)} sequences")
-        max_rows, max_pages = out.shape
-        # Per buffer and row: (sequence, its rollbacks, entries) of the last write there. The
-        # buffer itself is kept, so its id cannot be reused by another array.
-        table = self._tables.get(id(out))
-        if table is None or table[0] is not out:
-            table = self._tables[id(out)] = (out, [None] * max_rows)
-        marks = table[1]
-        if len(marks) < max_rows:
-            marks += [None] * (max_rows - len(marks))
-        written = 0
-        # Rows are checked as they come: an error leaves the rows before it written and recorded.
-        for seq, row in zip(seqs, row_ids, strict=True):
-            if row >= max_rows:
-                raise ValueError(f"rows entry {row} is past out's {max_rows} rows")
-            end = seq._num_pages
-            mark = marks[row]
-            if mark is not None and mark[0] is seq and mark[1] == seq._rollbacks:
-                start = mark[2]
-                if start == end:
-                    continue  # unchanged: not touched
-            else:
-                start = 0
-            if end > max_pages:
-                raise ValueError(f"sequence {seq._id} has {end} pages, out has room for {max_pages}")
-            out[row, start:end] = seq._pages[start:end]
-            written += end - start
-            marks[row] = (seq, seq._rollbacks, end)
-        return written
-
-    def _check_batch(self, seqs: object) -> None:
-        """Raise unless ``seqs`` is a list or tuple of distinct open sequences of this cache."""
-        if not isinstance(seqs, (list, tuple)):
-            raise TypeError(f"seqs must be a list of Sequence, got {type(seqs).__name__}")
-        try:
-            owned = all(seq._owner is self for seq in seqs)
-        except AttributeError:
-            owned = False
-        if not owned:
-            for seq in seqs:
-                if getattr(seq, "_owner", None) is not self:
-                    self._reject(seq)
-        if len(set(seqs)) != len(seqs):
-            raise ValueError("seqs lists a sequence twice")
+        return self._block_tables.write(seqs, out, row_ids)
 
     def close(self, seq: Sequence) -> None:
         """Release ``seq``: its cached pages stay cached (evictable once no other sequence holds
@@ -547,7 +464,7 @@ class PrefixCache:
         except AttributeError:
             raise TypeError(f"expected a Sequence, got {type(seq).__name__}") from None
         if owner is not self:
-            self._reject(seq)
+            reject(self, seq)
         if not self._lock.acquire(False):
             self._concurrent()
         try:
@@ -574,11 +491,11 @@ class PrefixCache:
     def evict(self, num_pages: int) -> int:
         """Free up to ``num_pages`` cached pages no live sequence holds, least recently used
         first (a page's descendants before it). Returns the number of pages freed."""
-        num_pages = _check_int("num_pages", num_pages, 0)
+        num_pages = check_int("num_pages", num_pages, 0)
         if not self._lock.acquire(False):
             self._concurrent()
         try:
-            return self._evict(num_pages)
+            return self._store.evict(num_pages)
         finally:
             self._lock.release()
 
@@ -598,14 +515,12 @@ class PrefixCache:
                     f"reset with {len(self._live)} sequences open: close them first (their KV was "
                     "computed before the reset and would be cached when they commit)"
                 )
-            self._evict_pages(self._tree.num_unreferenced)
+            self._store.evict_pages(self._tree.num_unreferenced)
             # Only stale entries can be left; drop them rather than skip them later.
             self._tree.older.clear()
             self._last_match = None
-            if self._record_events:
+            if self._events is not None:
                 self._events.clear()
-                self._events_overflowed = False
-                self._events.append(AllBlocksCleared())
         finally:
             self._lock.release()
 
@@ -616,28 +531,9 @@ class PrefixCache:
         if not self._lock.acquire(False):
             self._concurrent()
         try:
-            if self._events_overflowed:
-                self._events_overflowed = False
-                self._events = []
-                return [AllBlocksCleared(), *self._cached_blocks()]
-            events = self._events
-            self._events = []
+            return [] if self._events is None else self._events.drain(self._tree)
         finally:
             self._lock.release()
-        page_size = self._page_size
-        return [
-            BlockStored(
-                block_hashes=event.block_hashes,
-                parent_block_hash=event.parent_block_hash,
-                token_ids=np.frombuffer(event.token_bytes, dtype=np.int32).tolist(),
-                block_size=page_size,
-                namespace=event.namespace,
-                extra_keys=event.extras,
-            )
-            if type(event) is _PendingStored
-            else event
-            for event in events
-        ]
 
     # ------------------------------------------------------------------ internals
 
@@ -646,61 +542,6 @@ class PrefixCache:
             "PrefixCache called from two threads at once: one cache belongs to one scheduler "
             "thread (serialise the calls); nothing was changed"
         )
-
-    def _reject(self, seq: object) -> None:
-        """Raise the error explaining why ``seq`` cannot be used with this cache."""
-        if not isinstance(seq, Sequence):
-            raise TypeError(f"expected a Sequence, got {type(seq).__name__}")
-        if seq._cache is not self:
-            raise ValueError(f"sequence {seq._id} belongs to another PrefixCache")
-        raise ValueError(f"sequence {seq._id} is closed")
-
-    def _emit(self, event: KVCacheEvent | _PendingStored) -> None:
-        """Keep ``event`` for ``drain_events``, or note the overflow of ``max_events``."""
-        events = self._events
-        if len(events) < self._max_events:
-            if not self._events_overflowed:
-                events.append(event)
-            return
-        # Drop the backlog: the next drain describes the cached blocks instead.
-        events.clear()
-        self._events_overflowed = True
-
-    def _cached_blocks(self) -> list[BlockStored]:
-        """``BlockStored`` events for every cached block, one per chain of runs with single
-        children, each after its parent's."""
-        page_size = self._page_size
-        events = []
-        for root in self._tree.roots.values():
-            stack: list[Node] = [root]
-            while stack:
-                node = stack.pop()
-                for head in node.children.values() if node.children is not None else [node.child]:
-                    if head is None:
-                        continue
-                    chain = [head]
-                    while head.child is not None:
-                        head = head.child
-                        chain.append(head)
-                    extras = [
-                        (run.extras[i] if run.extras is not None else b"") or None
-                        for run in chain
-                        for i in range(len(run.pages))
-                    ]
-                    tokens = b"".join(bytes(run.tokens) for run in chain)
-                    events.append(
-                        BlockStored(
-                            block_hashes=[key for run in chain for key in run.keys],
-                            parent_block_hash=None if node is root else node.keys[-1],
-                            token_ids=np.frombuffer(tokens, np.int32).tolist(),
-                            block_size=page_size,
-                            namespace=root.namespace,
-                            extra_keys=extras if any(extras) else None,
-                        )
-                    )
-                    if head.children is not None:
-                        stack.append(head)
-        return events
 
     def _new_sequence(self, arr: np.ndarray, namespace: Namespace, extra_tokens: int) -> Sequence:
         """A sequence for the prompt ``arr``, not yet open, with buffer room for the prompt, the
@@ -742,7 +583,7 @@ class PrefixCache:
         never covering the last token (the engine needs its logits). Changes nothing."""
         page_size = self._page_size
         if root.is_leaf or len(arr) <= page_size:
-            return _NO_WALK
+            return NO_WALK
         tree = self._tree
         num_pages = (len(arr) - 1) // page_size
         data = arr.tobytes()
@@ -757,199 +598,14 @@ class PrefixCache:
         self._last_match = (root, tree.version, data, walk)
         return walk
 
-    def _allocate_pages(self, seq: Sequence, end: int) -> None:
-        """Slow path of ``allocate``: new pages so ``seq`` can hold ``end`` tokens."""
-        page_size = self._page_size
-        num_pages = -(-end // page_size)
-        needed = num_pages - seq._num_pages
-        free = self._pool.free
-        short = needed - len(free)
-        if short > 0 and short > self._tree.num_unreferenced:
-            raise OutOfPages(needed, len(free) + self._tree.num_unreferenced)
-        if num_pages > len(seq._pages):
-            # Before any page is taken: a MemoryError here changes nothing.
-            seq._grow(num_pages, page_size)
-        if short > 0:
-            one = self._tree.evict_from_run() if short == 1 else None
-            if one is None:
-                self._evict(short)
-            else:
-                # The decode loop with a full pool: a page from the end of the oldest run.
-                root, page, key = one
-                free.append(page)
-                self._evicted_pages += 1
-                if self._record_events:
-                    self._emit(BlockRemoved([key], root.namespace))
-        if needed == 1:
-            count = seq._num_pages
-            seq._pages[count] = free.pop()
-            seq._num_pages = count + 1
-            seq._capacity += page_size
-        else:
-            seq._add_pages(self._pool.take(needed), page_size)
-        seq._num_allocated = end
-
     def _store_locked(self, seq: Sequence, end: int) -> None:
         """``_store_full_pages`` under the lock."""
         if not self._lock.acquire(False):
             self._concurrent()
         try:
-            self._store_full_pages(seq, end)
+            self._store.store_full_pages(seq, end)
         finally:
             self._lock.release()
-
-    def _store_page(self, seq: Sequence, end: int, token: int) -> None:
-        """``_store_full_pages`` for the one page that ``token``, at ``end - 1``, filled (the
-        decode path), in its common case written out: the page goes at the end of the sequence's
-        own leaf run, which only it holds. Anything else takes the general path."""
-        leaf = seq._node
-        if (
-            leaf.ref != 1
-            or leaf.child is not None
-            or leaf.children is not None
-            or leaf is seq._root
-            or seq._broken
-            or seq._extras
-        ):
-            self._store_full_pages(seq, end)
-            return
-        page_size = self._page_size
-        # At page size 1 the page is the token: its int32 bytes without a numpy round trip.
-        data = token.to_bytes(4, "little") if page_size == 1 else seq._tokens[end - page_size : end].tobytes()
-        tree = self._tree
-        parent_key = leaf.keys[-1]
-        key = tree.hash_fn(data, parent_key)
-        if tree.check_keys:
-            check_key(key)
-        full = end // page_size
-        seq._num_full_pages = full
-        index = seq._root.index
-        if key in index:
-            # A hash collision: the page and all later ones stay private.
-            seq._broken = True
-            self._collision_pages += 1
-            return
-        leaf.tokens += data
-        leaf.pages.append(seq._pages.item(full - 1))
-        leaf.keys.append(key)
-        if leaf.extras is not None:
-            leaf.extras.append(b"")
-        index.add(key)
-        tree.num_pages += 1
-        tree.version += 1
-        seq._num_held = full
-        self._stored_pages += 1
-        if self._record_events:
-            self._emit(_PendingStored([key], parent_key, data, seq._namespace))
-
-    def _store_full_pages(self, seq: Sequence, end: int) -> None:
-        """Offer the pages of ``seq`` that ``end`` committed tokens fill (written to ``seq._tokens``,
-        ``seq._num_tokens`` not yet advanced) to the tree: hold the cached twins of the first
-        ones while there are some (the sequence's own copies stay private), then cache the rest,
-        appended to the sequence's own leaf run when only it holds that leaf, else as a new run;
-        after a hash collision the page and all later ones stay private.
-
-        Everything that can fail (the caller's hash function) runs before the first change."""
-        page_size = self._page_size
-        first = seq._num_full_pages
-        full = end // page_size
-        if seq._broken:
-            seq._num_full_pages = full
-            self._collision_pages += full - first
-            return
-        tree = self._tree
-        root = seq._root
-        parent = seq._node
-        data = seq._tokens[first * page_size : full * page_size].tobytes()
-        seq_extras = seq._extras
-        count = full - first
-        page_bytes = 4 * page_size
-        # Extra identity bytes of each page (prompt pages only), None when no page has any.
-        extras = None
-        if seq_extras and any(first + i in seq_extras for i in range(count)):
-            extras = [seq_extras.get(first + i, b"") for i in range(count)]
-        # Cached twins, computed concurrently by other sequences (none after a leaf).
-        if parent.child is None and parent.children is None:
-            walk = _NO_WALK
-        else:
-            walk = tree.walk(parent, data, count, extras)
-        twins = walk.pages
-        after = walk.last(parent)
-        # The key of the last twin (which may end inside its run), or of the sequence's last page.
-        parent_key = after.keys[walk.partial - 1] if walk.partial else after.last_key()
-        new = data[twins * page_bytes :]
-        new_extras = extras[twins:] if extras is not None else None
-        # A caller's hash function may fail: keys are computed before anything changes.
-        keys = tree.new_keys(root, parent_key, new, new_extras) if twins < count else []
-        # From here on nothing can fail.
-        seq._num_full_pages = full
-        if twins:
-            # The block table keeps the sequence's own copies, private until close.
-            seq._node = after = tree.hold(walk, None, 0)
-            seq._dups = [*seq._dups, *seq._pages[first : first + twins].tolist()]
-            seq._num_held = first + twins
-            self._duplicate_pages += twins
-        if twins == count:
-            return
-        stored = len(keys)
-        if stored:
-            start = first + twins
-            pages = array("i")
-            pages.frombytes(seq._pages[start : start + stored].tobytes())
-            stored_data = new[: stored * page_bytes]
-            stored_extras = new_extras[:stored] if new_extras is not None else None
-            if after is not root and after.ref == 1 and after.child is None and after.children is None:
-                tree.extend(after, stored_data, pages, keys, stored_extras)
-            else:
-                seq._node = tree.add(after, stored_data, pages, keys, stored_extras)
-            seq._num_held = start + stored
-            self._stored_pages += stored
-            if self._record_events:
-                # Turned into a BlockStored by drain_events, off the per-step path.
-                self._emit(
-                    _PendingStored(
-                        keys,
-                        None if after is root else parent_key,
-                        stored_data,
-                        seq._namespace,
-                        [extra or None for extra in stored_extras]
-                        if stored_extras is not None and any(stored_extras)
-                        else None,
-                    )
-                )
-        if twins + stored < count:
-            # A different block holds the key of the next page: it and all after it stay
-            # private (a page can only be cached under a cached parent).
-            seq._broken = True
-            self._collision_pages += count - twins - stored
-
-    def _evict(self, num_pages: int) -> int:
-        """Evict up to ``num_pages`` pages in LRU order, with ``BlockRemoved`` events (one per run
-        of pages of one namespace); returns the number evicted."""
-        evicted, count = self._evict_pages(num_pages)
-        if evicted and self._record_events:
-            root, _, keys = evicted[0]
-            keys = list(keys)
-            # One event per run of one namespace, so the events keep the eviction order.
-            for other, _, more in evicted[1:]:
-                if other is not root:
-                    self._emit(BlockRemoved(keys, root.namespace))
-                    root, keys = other, []
-                keys += more
-            self._emit(BlockRemoved(keys, root.namespace))
-        return count
-
-    def _evict_pages(self, num_pages: int) -> tuple[list[tuple[Root, list[int], list[int]]], int]:
-        """Evict up to ``num_pages`` pages in LRU order (no event); returns them as the tree's
-        ``evict`` does, and their number."""
-        evicted = self._tree.evict(num_pages)
-        free = self._pool.free
-        count = 0
-        for _, pages, _ in evicted:
-            free += pages
-            count += len(pages)
-        self._evicted_pages += count
-        return evicted, count
 
     # ------------------------------------------------------------------ checking
 

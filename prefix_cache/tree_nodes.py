@@ -119,6 +119,10 @@ class Walk:
         return self.nodes[-1] if self.nodes else start
 
 
+#: The walk that matches nothing.
+NO_WALK = Walk([], 0, 0)
+
+
 def add_child(parent: Node, node: Node, page_bytes: int) -> None:
     """Make ``node`` a child of ``parent``, which already has one or more (``child`` becomes
     ``children`` at the second)."""

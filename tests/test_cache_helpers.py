@@ -62,8 +62,8 @@ def snapshot(cache: PrefixCache) -> tuple:
         seqs,
         counters,
         cache.stats,
-        len(cache._events),
-        cache._events_overflowed,
+        len(cache._events.pending) if cache._events is not None else 0,
+        cache._events.overflowed if cache._events is not None else False,
     )
 
 

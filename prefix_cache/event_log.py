@@ -1,0 +1,116 @@
+"""The backlog of cache events waiting for ``PrefixCache.drain_events``, capped at ``max_events``."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from prefix_cache.block_tree import BlockTree
+from prefix_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from prefix_cache.hashing import Namespace
+from prefix_cache.tree_nodes import Node
+
+#: ``BlockStored`` and ``BlockRemoved`` events as recorded on the hot path, plain tuples since
+#: building the frozen dataclasses costs several times more (once per cached or evicted page in
+#: the decode loop at page size 1); ``drain`` builds the events. Stored: ``(block_hashes,
+#: parent_block_hash, token_bytes, namespace, extra_keys)``, tokens still as int32 bytes;
+#: removed: ``(block_hashes, namespace)``.
+PendingStored = tuple[list[int], int | None, bytes, Namespace, list[bytes | None] | None]
+PendingRemoved = tuple[list[int], Namespace]
+Pending = KVCacheEvent | PendingStored | PendingRemoved
+
+
+class EventLog:
+    """Events kept for ``drain_events``, oldest first, at most ``max_events`` of them.
+
+    When one more would exceed the cap, the backlog is dropped and nothing is kept until the next
+    drain, which describes the cached blocks instead (``AllBlocksCleared``, then ``BlockStored``
+    for every block cached at that moment), so a consumer that applies events in order ends up
+    right.
+    """
+
+    __slots__ = ("max_events", "overflowed", "pending")
+
+    def __init__(self, max_events: int) -> None:
+        self.max_events = max_events
+        self.pending: list[Pending] = []
+        #: Set when the backlog overflowed ``max_events``: the next drain resynchronises.
+        self.overflowed = False
+
+    def emit(self, event: Pending) -> None:
+        """Keep ``event``, or note the overflow of ``max_events``."""
+        pending = self.pending
+        if len(pending) < self.max_events:
+            if not self.overflowed:
+                pending.append(event)
+            return
+        # Drop the backlog: the next drain describes the cached blocks instead.
+        pending.clear()
+        self.overflowed = True
+
+    def clear(self) -> None:
+        """Drop everything kept and keep ``AllBlocksCleared`` (the cache was reset)."""
+        self.pending = [AllBlocksCleared()]
+        self.overflowed = False
+
+    def drain(self, tree: BlockTree) -> list[KVCacheEvent]:
+        """The events kept since the last drain, oldest first, and forget them. After an overflow:
+        ``AllBlocksCleared``, then ``BlockStored`` for every block in ``tree`` now."""
+        if self.overflowed:
+            self.overflowed = False
+            self.pending = []
+            return [AllBlocksCleared(), *cached_blocks(tree)]
+        events = self.pending
+        self.pending = []
+        page_size = tree.page_size
+        return [
+            event
+            if type(event) is not tuple
+            else BlockRemoved(block_hashes=event[0], namespace=event[1])
+            if len(event) == 2
+            else BlockStored(
+                block_hashes=event[0],
+                parent_block_hash=event[1],
+                token_ids=np.frombuffer(event[2], dtype=np.int32).tolist(),
+                block_size=page_size,
+                namespace=event[3],
+                extra_keys=event[4],
+            )
+            for event in events
+        ]
+
+
+def cached_blocks(tree: BlockTree) -> list[BlockStored]:
+    """``BlockStored`` events for every block in ``tree``, one per chain of runs with single
+    children, each after its parent's."""
+    page_size = tree.page_size
+    events = []
+    for root in tree.roots.values():
+        stack: list[Node] = [root]
+        while stack:
+            node = stack.pop()
+            for head in node.children.values() if node.children is not None else [node.child]:
+                if head is None:
+                    continue
+                chain = [head]
+                while head.child is not None:
+                    head = head.child
+                    chain.append(head)
+                extras = [
+                    (run.extras[i] if run.extras is not None else b"") or None
+                    for run in chain
+                    for i in range(len(run.pages))
+                ]
+                tokens = b"".join(bytes(run.tokens) for run in chain)
+                events.append(
+                    BlockStored(
+                        block_hashes=[key for run in chain for key in run.keys],
+                        parent_block_hash=None if node is root else node.keys[-1],
+                        token_ids=np.frombuffer(tokens, np.int32).tolist(),
+                        block_size=page_size,
+                        namespace=root.namespace,
+                        extra_keys=extras if any(extras) else None,
+                    )
+                )
+                if head.children is not None:
+                    stack.append(head)
+    return events

@@ -1,0 +1,251 @@
+"""The cache's hot path: pages move between the free pool, sequences and the block tree.
+
+``PageStore`` allocates pages to sequences (evicting cached ones when the pool is empty), caches the
+full pages sequences commit, and evicts; it counts those pages and records their events.
+``PrefixCache`` checks the arguments, holds the lock and calls it.
+"""
+
+from __future__ import annotations
+
+from array import array
+
+from prefix_cache.block_tree import BlockTree, check_key
+from prefix_cache.errors import OutOfPages
+from prefix_cache.event_log import EventLog
+from prefix_cache.page_pool import PagePool
+from prefix_cache.sequence import Sequence
+from prefix_cache.tree_nodes import NO_WALK, Root
+
+
+class PageStore:
+    """The free pool and the block tree of one cache, and the counters of pages moved between them.
+
+    Arguments:
+        pool: the free pages.
+        tree: the cached pages.
+        events: where ``BlockStored`` / ``BlockRemoved`` events go, None to record none.
+    """
+
+    __slots__ = (
+        "collision_pages",
+        "duplicate_pages",
+        "events",
+        "evicted_pages",
+        "page_size",
+        "pool",
+        "stored_pages",
+        "tree",
+    )
+
+    def __init__(self, pool: PagePool, tree: BlockTree, events: EventLog | None) -> None:
+        self.pool = pool
+        self.tree = tree
+        self.events = events
+        self.page_size = tree.page_size
+        #: Pages cached, pages whose block another sequence had cached first (kept private),
+        #: pages left private after a hash collision, pages evicted.
+        self.stored_pages = 0
+        self.duplicate_pages = 0
+        self.collision_pages = 0
+        self.evicted_pages = 0
+
+    def allocate(self, seq: Sequence, end: int) -> None:
+        """New pages so ``seq`` can hold ``end`` tokens (``PrefixCache.allocate`` past the last
+        page), evicting when the pool is short; all or nothing: ``OutOfPages`` changes nothing."""
+        page_size = self.page_size
+        free = self.pool.free
+        count = seq._num_pages
+        if end <= seq._capacity + page_size and count < len(seq._pages):
+            # One more page and room for it, the decode loop's case, written out: from the pool,
+            # else from the end of the oldest run. Anything else takes the general path below.
+            page = free.pop() if free else self._evict_from_run()
+            if page is not None:
+                seq._pages[count] = page
+                seq._num_pages = count + 1
+                seq._capacity += page_size
+                seq._num_allocated = end
+                return
+        num_pages = -(-end // page_size)
+        needed = num_pages - count
+        short = needed - len(free)
+        if short > 0 and short > self.tree.num_unreferenced:
+            raise OutOfPages(needed, len(free) + self.tree.num_unreferenced)
+        if num_pages > len(seq._pages):
+            # Before any page is taken: a MemoryError here changes nothing.
+            seq._grow(num_pages, page_size)
+        if short > 0:
+            self.evict(short)
+        seq._add_pages(self.pool.take(needed), page_size)
+        seq._num_allocated = end
+
+    def _evict_from_run(self) -> int | None:
+        """The page of ``tree.evict_from_run``, evicted with its event, or None (nothing changed)
+        when the oldest candidate is not a run of several pages: ``evict`` then."""
+        one = self.tree.evict_from_run()
+        if one is None:
+            return None
+        root, page, key = one
+        self.evicted_pages += 1
+        events = self.events
+        if events is not None:
+            events.emit(([key], root.namespace))
+        return page
+
+    def store_page(self, seq: Sequence, end: int, token: int) -> None:
+        """``_store_full_pages`` for the one page that ``token``, at ``end - 1``, filled (the
+        decode path), in its common case written out: the page goes at the end of the sequence's
+        own leaf run, which only it holds. Anything else takes the general path."""
+        leaf = seq._node
+        if (
+            leaf.ref != 1
+            or leaf.child is not None
+            or leaf.children is not None
+            or leaf is seq._root
+            or seq._broken
+            or seq._extras
+        ):
+            self.store_full_pages(seq, end)
+            return
+        page_size = self.page_size
+        # At page size 1 the page is the token: its int32 bytes without a numpy round trip.
+        data = token.to_bytes(4, "little") if page_size == 1 else seq._tokens[end - page_size : end].tobytes()
+        tree = self.tree
+        parent_key = leaf.keys[-1]
+        key = tree.hash_fn(data, parent_key)
+        if tree.check_keys:
+            check_key(key)
+        full = end // page_size
+        seq._num_full_pages = full
+        index = seq._root.index
+        # One set operation: adding a key the index holds changes nothing.
+        size = len(index)
+        index.add(key)
+        if len(index) == size:
+            # A hash collision: the page and all later ones stay private.
+            seq._broken = True
+            self.collision_pages += 1
+            return
+        leaf.tokens += data
+        leaf.pages.append(seq._pages.item(full - 1))
+        leaf.keys.append(key)
+        if leaf.extras is not None:
+            leaf.extras.append(b"")
+        tree.num_pages += 1
+        tree.version += 1
+        seq._num_held = full
+        self.stored_pages += 1
+        events = self.events
+        if events is not None:
+            events.emit(([key], parent_key, data, seq._namespace, None))
+
+    def store_full_pages(self, seq: Sequence, end: int) -> None:
+        """Offer the pages of ``seq`` that ``end`` committed tokens fill (written to ``seq._tokens``,
+        ``seq._num_tokens`` not yet advanced) to the tree: hold the cached twins of the first
+        ones while there are some (the sequence's own copies stay private), then cache the rest,
+        appended to the sequence's own leaf run when only it holds that leaf, else as a new run;
+        after a hash collision the page and all later ones stay private.
+
+        Everything that can fail (the caller's hash function) runs before the first change."""
+        page_size = self.page_size
+        first = seq._num_full_pages
+        full = end // page_size
+        if seq._broken:
+            seq._num_full_pages = full
+            self.collision_pages += full - first
+            return
+        tree = self.tree
+        root = seq._root
+        parent = seq._node
+        data = seq._tokens[first * page_size : full * page_size].tobytes()
+        seq_extras = seq._extras
+        count = full - first
+        page_bytes = 4 * page_size
+        # Extra identity bytes of each page (prompt pages only), None when no page has any.
+        extras = None
+        if seq_extras and any(first + i in seq_extras for i in range(count)):
+            extras = [seq_extras.get(first + i, b"") for i in range(count)]
+        # Cached twins, computed concurrently by other sequences (none after a leaf).
+        if parent.child is None and parent.children is None:
+            walk = NO_WALK
+        else:
+            walk = tree.walk(parent, data, count, extras)
+        twins = walk.pages
+        after = walk.last(parent)
+        # The key of the last twin (which may end inside its run), or of the sequence's last page.
+        parent_key = after.keys[walk.partial - 1] if walk.partial else after.last_key()
+        new = data[twins * page_bytes :]
+        new_extras = extras[twins:] if extras is not None else None
+        # A caller's hash function may fail: keys are computed before anything changes.
+        keys = tree.page_keys(parent_key, new, new_extras) if twins < count else []
+        # From here on nothing can fail.
+        seq._num_full_pages = full
+        if twins:
+            # The block table keeps the sequence's own copies, private until close.
+            seq._node = after = tree.hold(walk, None, 0)
+            seq._dups = [*seq._dups, *seq._pages[first : first + twins].tolist()]
+            seq._num_held = first + twins
+            self.duplicate_pages += twins
+        if twins == count:
+            return
+        tree.claim_keys(root, keys)
+        stored = len(keys)
+        if stored:
+            start = first + twins
+            pages = array("i")
+            pages.frombytes(seq._pages[start : start + stored].tobytes())
+            stored_data = new[: stored * page_bytes]
+            stored_extras = new_extras[:stored] if new_extras is not None else None
+            if after is not root and after.ref == 1 and after.child is None and after.children is None:
+                tree.extend(after, stored_data, pages, keys, stored_extras)
+            else:
+                seq._node = tree.add(after, stored_data, pages, keys, stored_extras)
+            seq._num_held = start + stored
+            self.stored_pages += stored
+            events = self.events
+            if events is not None:
+                # Turned into a BlockStored by drain_events, off the per-step path.
+                events.emit(
+                    (
+                        keys,
+                        None if after is root else parent_key,
+                        stored_data,
+                        seq._namespace,
+                        [extra or None for extra in stored_extras]
+                        if stored_extras is not None and any(stored_extras)
+                        else None,
+                    )
+                )
+        if twins + stored < count:
+            # A different block holds the key of the next page: it and all after it stay
+            # private (a page can only be cached under a cached parent).
+            seq._broken = True
+            self.collision_pages += count - twins - stored
+
+    def evict(self, num_pages: int) -> int:
+        """Evict up to ``num_pages`` pages in LRU order, with ``BlockRemoved`` events (one per run
+        of pages of one namespace); returns the number evicted."""
+        evicted, count = self.evict_pages(num_pages)
+        events = self.events
+        if evicted and events is not None:
+            root, _, keys = evicted[0]
+            keys = list(keys)
+            # One event per run of one namespace, so the events keep the eviction order.
+            for other, _, more in evicted[1:]:
+                if other is not root:
+                    events.emit((keys, root.namespace))
+                    root, keys = other, []
+                keys += more
+            events.emit((keys, root.namespace))
+        return count
+
+    def evict_pages(self, num_pages: int) -> tuple[list[tuple[Root, list[int], list[int]]], int]:
+        """Evict up to ``num_pages`` pages in LRU order (no event); returns them as the tree's
+        ``evict`` does, and their number."""
+        evicted = self.tree.evict(num_pages)
+        free = self.pool.free
+        count = 0
+        for _, pages, _ in evicted:
+            free += pages
+            count += len(pages)
+        self.evicted_pages += count
+        return evicted, count
