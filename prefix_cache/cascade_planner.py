@@ -119,7 +119,7 @@ class CascadePlanner:
             shared_end[node.lo : node.hi] = node.end
         if nodes and self._cost_model_decides():
             flat = PlanFeatures(1, float(kv[qo > 0].sum()), float((qo * kv).sum()))
-            cascade = _cascade_features(nodes, qo_planned, kv[order], shared_end, page_size)
+            cascade = _cascade_features(nodes, qo_planned, qo_indptr, kv[order], shared_end, page_size)
             if self.cost_model.time_us(flat) <= self.cost_model.time_us(cascade):
                 nodes, shared_end = [], np.zeros(batch, dtype=np.int64)
         if not nodes:
@@ -184,14 +184,20 @@ _BOOL_TYPES = frozenset((bool, np.bool_))
 
 
 def _cascade_features(
-    nodes: list[_Node], qo_planned: np.ndarray, kv_planned: np.ndarray, shared_end: np.ndarray, page_size: int
+    nodes: list[_Node],
+    qo_planned: np.ndarray,
+    qo_indptr: np.ndarray,
+    kv_planned: np.ndarray,
+    shared_end: np.ndarray,
+    page_size: int,
 ) -> PlanFeatures:
     """``cost_model.plan_features`` of the plan these nodes make, without building it."""
     kv_tokens = pairs = 0.0
+    qo_at = qo_indptr.tolist()
     for node in nodes:
         tokens = (node.end - node.start) * page_size
         kv_tokens += tokens
-        pairs += tokens * float(qo_planned[node.lo : node.hi].sum())
+        pairs += tokens * float(qo_at[node.hi] - qo_at[node.lo])
     own = np.where(qo_planned > 0, kv_planned - shared_end * page_size, 0)
     kv_tokens += float(own.sum())
     pairs += float((own * qo_planned).sum())
@@ -240,9 +246,10 @@ def _validate(
                 f"request {i}: {block_tables.shape[1]} pages for kv_len {kv[i]}, needs {num_pages[i]}"
             )
         matrix = block_tables[:, :width]
-        # Every entry in range (unused ones too) is the common case and one pass; otherwise look at
-        # the used entries only.
-        if matrix.size and (matrix.min() < 0 or matrix.max() > _I32_MAX):
+        # Every entry in range (unused ones too) is the common case and one pass (int32 entries are
+        # never above the range: only their minimum is looked at); otherwise look at the used
+        # entries only.
+        if matrix.size and (matrix.min() < 0 or (matrix.dtype != _I32 and matrix.max() > _I32_MAX)):
             used = np.arange(width) < num_pages[:, None]
             low, high = np.where(used, matrix, 0).min(), np.where(used, matrix, 0).max()
             if low < 0 or high > _I32_MAX:
@@ -352,19 +359,20 @@ def _shared_level(
     page_size: int,
 ) -> CascadeLevel:
     """One group per node of this level, and one group without KV per run of requests between them."""
+    qo_at = qo_indptr.tolist()
     group_qo = [0]
     group_pages: list[np.ndarray] = []
     position = 0
     for node in sorted(nodes, key=lambda n: n.lo):
-        if qo_indptr[node.lo] > qo_indptr[position]:
-            group_qo.append(int(qo_indptr[node.lo]))
+        if qo_at[node.lo] > qo_at[position]:
+            group_qo.append(qo_at[node.lo])
             group_pages.append(np.zeros(0, dtype=_I32))
-        group_qo.append(int(qo_indptr[node.hi]))
+        group_qo.append(qo_at[node.hi])
         # Members share these pages by construction; any member's table gives them.
         group_pages.append(pages[order[node.lo]][node.start : node.end])
         position = node.hi
-    if qo_indptr[-1] > qo_indptr[position]:
-        group_qo.append(int(qo_indptr[-1]))
+    if qo_at[-1] > qo_at[position]:
+        group_qo.append(qo_at[-1])
         group_pages.append(np.zeros(0, dtype=_I32))
     num_pages = np.array([p.shape[0] for p in group_pages], dtype=np.int64)
     return CascadeLevel(
