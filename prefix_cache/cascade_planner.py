@@ -181,6 +181,8 @@ Pages = np.ndarray | list[np.ndarray]
 #: Page ids, the page size and query offsets end up in int32 plan arrays.
 _I32_MAX = int(np.iinfo(_I32).max)
 _BOOL_TYPES = frozenset((bool, np.bool_))
+#: Sorted neighbours compared per block of this many rows (see _sort_and_lcp).
+_LCP_BLOCK = 64
 
 
 def _cascade_features(
@@ -305,32 +307,42 @@ def _sort_and_lcp(pages: Pages, shareable: np.ndarray, active: np.ndarray) -> tu
     """(order, lcp). order: planned order, requests with queries sorted by their shareable pages, so
     that requests sharing a prefix are contiguous (the DFS order of the trie), requests without
     queries last; stable: equal tables keep the engine's order. lcp[i]: pages that planned requests
-    i and i+1 (both with queries) share at the start of their shareable pages."""
+    i and i+1 (both with queries) share at the start of their shareable pages.
+
+    The order is that of the byte strings of the shareable pages (int32, native byte order), a
+    prefix before its extensions."""
     ids = np.flatnonzero(active)
     inactive = np.flatnonzero(~active)
     width = int(shareable.max(initial=0))
     if ids.size < 2 or width == 0:
         return np.concatenate([ids, inactive]), np.zeros(max(ids.size - 1, 0), dtype=np.int64)
-    # Any fixed-width encoding of the page ids groups common prefixes: a byte string sorts next to the
-    # strings it shares a prefix with, and a prefix sorts before its extensions. (Small per-row byte
-    # strings: large temporary arrays cost more in page faults than the sort itself.)
-    keys = {i: pages[i][:s].tobytes() for i, s in zip(ids.tolist(), shareable[ids].tolist(), strict=True)}
-    ids = np.array(sorted(keys, key=keys.__getitem__), dtype=np.int64)
-    del keys  # before the matrix below takes their memory: a plan's peak allocation stays low
-    # Neighbours' first difference, on their shareable pages padded with -1 (never a page id).
     share = shareable[ids]
+    # One key row per request: its shareable pages, zeros after them, and its shareable count
+    # big-endian last. numpy sorts such rows as void items, comparing bytes (memcmp): in the order of
+    # the pages' byte strings, since a zero-padded prefix only ties with an extension by zero bytes,
+    # and the count then puts the prefix first. Any fixed-width encoding of the page ids groups
+    # common prefixes. (One 2 MB temporary at most at 256 x 2000 pages: a larger peak makes the heap
+    # shrink and fault in again on every plan, costing more than the sort.)
     if isinstance(pages, np.ndarray):
-        padded = pages[ids, :width]  # one gather, then the entries past each row's shareable pages
+        rows = pages[ids, : width + 1]  # a request with queries has more pages than it can share
         for i in np.flatnonzero(share < width).tolist():
-            padded[i, share[i] :] = -1
+            rows[i, share[i] : width] = 0
     else:
-        padded = np.full((ids.shape[0], width), -1, dtype=_I32)
-        for row, i, n in zip(padded, ids.tolist(), share.tolist(), strict=True):
+        rows = np.zeros((ids.shape[0], width + 1), dtype=_I32)
+        for row, i, n in zip(rows, ids.tolist(), share.tolist(), strict=True):
             row[:n] = pages[i][:n]
-    differ = padded[1:] != padded[:-1]
-    first = np.where(differ.any(axis=1), differ.argmax(axis=1), width)
-    lcp = np.minimum(first, np.minimum(share[:-1], share[1:]))
-    return np.concatenate([ids, inactive]), lcp
+    rows[:, width] = share.astype(">i4").view(_I32)
+    perm = np.argsort(rows.view(np.dtype((np.void, rows.itemsize * (width + 1)))).ravel(), kind="stable")
+    # Neighbours' first difference (a padding zero may equal a page id: the shareable counts cap it),
+    # a block of sorted rows at a time, so that no sorted copy of every row is made.
+    first = np.empty(perm.shape[0] - 1, dtype=np.int64)
+    for lo in range(0, first.shape[0], _LCP_BLOCK):
+        block = rows[perm[lo : lo + _LCP_BLOCK + 1], :width]
+        differ = block[1:] != block[:-1]
+        at = differ.argmax(axis=1)
+        first[lo : lo + at.shape[0]] = np.where(differ[np.arange(at.shape[0]), at], at, width)
+    share = share[perm]
+    return np.concatenate([ids[perm], inactive]), np.minimum(first, np.minimum(share[:-1], share[1:]))
 
 
 def _lcp_intervals(lcp: np.ndarray) -> list[tuple[int, int, int]]:
