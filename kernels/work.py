@@ -205,20 +205,26 @@ def level_work(
     group_chunk = np.maximum(-(-per // tile.block_n) * tile.block_n, tile.block_n)
 
     items = splits * m_tiles
-    total = int(items.sum())
-    g = np.repeat(np.arange(kv_len.shape[0]), items)
-    local = np.arange(total) - np.repeat(np.cumsum(items) - items, items)
+    # One row per group, repeated once per item of the group; KV0 and SPLIT hold the group's chunk
+    # and M-tile count until the item's own values replace them.
+    rows = np.empty((kv_len.shape[0], WORK_COLS), dtype=np.int64)
+    rows[:, Q0], rows[:, Q1], rows[:, PAGE0] = qo[:-1], qo[1:], kvp[:-1]
+    rows[:, KV0], rows[:, KV1], rows[:, SPLIT] = group_chunk, kv_len, np.maximum(m_tiles, 1)
+    rows[:, DIAG] = (kv_len - q_len - qo[:-1]) if causal else NO_MASK
+    rows[:, OROW] = 0
+    work = np.repeat(rows, items, axis=0)
+    local = np.arange(work.shape[0]) - np.repeat(np.cumsum(items) - items, items)
     # m-tiles innermost: the programs that read the same KV chunk run side by side and share it in L2.
-    s = local // np.maximum(m_tiles[g], 1)
-    m = local % np.maximum(m_tiles[g], 1)
-    work = np.zeros((total, WORK_COLS), dtype=np.int64)
-    work[:, Q0] = qo[g] + m * tile_q
-    work[:, Q1] = np.minimum(qo[g] + (m + 1) * tile_q, qo[g + 1])
-    work[:, PAGE0] = kvp[g]
-    work[:, KV0] = np.minimum(s * group_chunk[g], kv_len[g])
-    work[:, KV1] = np.minimum((s + 1) * group_chunk[g], kv_len[g])
+    if (m_tiles > 1).any():
+        s, m = np.divmod(local, work[:, SPLIT])
+        work[:, Q0] += m * tile_q
+    else:
+        s = local
+    np.minimum(work[:, Q0] + tile_q, work[:, Q1], out=work[:, Q1])
+    chunk_end = (s + 1) * work[:, KV0]
+    np.minimum(chunk_end - work[:, KV0], work[:, KV1], out=work[:, KV0])
+    np.minimum(chunk_end, work[:, KV1], out=work[:, KV1])
     work[:, SPLIT] = s
-    work[:, DIAG] = (kv_len[g] - q_len[g] - qo[g]) if causal else NO_MASK
     return work, np.repeat(splits, q_len)
 
 
