@@ -409,7 +409,13 @@ def _unique_level(
     queries). Always non-empty for a request with queries: shared segments stop before new tokens."""
     kv_planned = kv[order]
     end = np.where(qo_planned > 0, -(-kv_planned // page_size), shared_end)
-    own = [pages[r][s:e] for r, s, e in zip(order.tolist(), shared_end.tolist(), end.tolist(), strict=True)]
+    spans = zip(order.tolist(), shared_end.tolist(), end.tolist(), strict=True)
+    # A 2-D array is sliced in one indexing step per request (no row view in between).
+    own = (
+        [pages[r, s:e] for r, s, e in spans]
+        if isinstance(pages, np.ndarray)
+        else [pages[r][s:e] for r, s, e in spans]
+    )
     last = np.where(end > shared_end, kv_planned - (end - 1) * page_size, 0)
     return CascadeLevel(
         qo_indptr=qo_indptr.astype(_I32),
