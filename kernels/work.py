@@ -90,14 +90,15 @@ class LevelArrays:
 
     @property
     def max_rows_per_group(self) -> int:
-        return int(np.diff(self.qo_indptr).max(initial=0))
+        qo = self.qo_indptr
+        return int((qo[1:] - qo[:-1]).max(initial=0))
 
 
 def _as_int_array(name: str, a: np.ndarray | torch.Tensor, *, widen: bool = True) -> np.ndarray:
     """``a`` as a 1-D integer numpy array: int64 when ``widen``, else in its own dtype (no copy of a
     numpy array: page id lists are large, and their range is checked in place)."""
     arr = a.detach().cpu().numpy() if isinstance(a, torch.Tensor) else np.asarray(a)
-    if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
         raise ValueError(f"{name} must be a 1-D integer array, got shape {arr.shape} dtype {arr.dtype}")
     return arr.astype(np.int64, copy=False) if widen or arr.size == 0 else arr
 
@@ -122,20 +123,21 @@ def check_level(
             f"qo_indptr {qo.shape}, kv_indptr {kvp.shape} and kv_last_page_len {last.shape} "
             "disagree on the group count"
         )
-    q_len = np.diff(qo)
-    num_pages = np.diff(kvp)
+    q_len = qo[1:] - qo[:-1]
+    num_pages = kvp[1:] - kvp[:-1]
     if qo[0] != 0 or (q_len < 0).any() or (num_pages < 0).any() or kvp[0] < 0 or kvp[-1] > idx.shape[0]:
         raise ValueError("qo_indptr must start at 0, indptrs must be non-decreasing and within kv_indices")
     has_kv = num_pages > 0
     if ((last < 1) | (last > page_size))[has_kv].any():
         raise ValueError(f"kv_last_page_len must be in 1..{page_size} for groups with pages")
     used = idx[kvp[0] : kvp[-1]]
-    if used.size and (used.min() < 0 or used.max() >= 2**31):
+    max_page = int(used.max()) if used.size else -1
+    if used.size and (used.min() < 0 or max_page >= 2**31):
         raise ValueError("kv_indices must hold page ids in [0, 2**31)")
     kv_len = np.where(has_kv, (num_pages - 1) * page_size + last, 0)
     if qo[-1] >= 2**30 or kv_len.max(initial=0) >= 2**30:
         raise ValueError("level too large: query tokens and KV lengths must stay below 2**30")
-    return LevelArrays(qo, kvp, idx, kv_len, int(used.max(initial=-1)))
+    return LevelArrays(qo, kvp, idx, kv_len, max_page)
 
 
 def auto_chunk(
@@ -186,7 +188,7 @@ def level_work(
     when the level has too few programs for the device (``auto_chunk``). max_splits: per group.
     """
     qo, kvp, kv_len = level.qo_indptr, level.kv_indptr, level.kv_len
-    q_len = np.diff(qo)
+    q_len = qo[1:] - qo[:-1]
     tile_q = tile.block_m // group_size
     m_tiles = -(-q_len // tile_q)  # 0 for a group without queries: it writes nothing
     if kv_chunk_size is None:
@@ -198,25 +200,31 @@ def level_work(
     chunk = min(cdiv(chunk, tile.block_n) * tile.block_n, UNSPLIT)
     # A group without KV gets no program and no partial row: the merge turns "no rows" into out 0
     # and lse -inf. Groups capped at MAX_SPLITS take longer chunks instead of more splits.
-    splits = np.where(kv_len > 0, np.clip(-(-kv_len // chunk), 1, max_splits), 0)
+    splits = np.where(kv_len > 0, np.minimum(np.maximum(-(-kv_len // chunk), 1), max_splits), 0)
     per = -(-kv_len // np.maximum(splits, 1))
     group_chunk = np.maximum(-(-per // tile.block_n) * tile.block_n, tile.block_n)
 
     items = splits * m_tiles
-    total = int(items.sum())
-    g = np.repeat(np.arange(kv_len.shape[0]), items)
-    local = np.arange(total) - np.repeat(np.cumsum(items) - items, items)
+    # One row per group, repeated once per item of the group; KV0 and SPLIT hold the group's chunk
+    # and M-tile count until the item's own values replace them.
+    rows = np.empty((kv_len.shape[0], WORK_COLS), dtype=np.int64)
+    rows[:, Q0], rows[:, Q1], rows[:, PAGE0] = qo[:-1], qo[1:], kvp[:-1]
+    rows[:, KV0], rows[:, KV1], rows[:, SPLIT] = group_chunk, kv_len, np.maximum(m_tiles, 1)
+    rows[:, DIAG] = (kv_len - q_len - qo[:-1]) if causal else NO_MASK
+    rows[:, OROW] = 0
+    work = np.repeat(rows, items, axis=0)
+    local = np.arange(work.shape[0]) - np.repeat(np.cumsum(items) - items, items)
     # m-tiles innermost: the programs that read the same KV chunk run side by side and share it in L2.
-    s = local // np.maximum(m_tiles[g], 1)
-    m = local % np.maximum(m_tiles[g], 1)
-    work = np.zeros((total, WORK_COLS), dtype=np.int64)
-    work[:, Q0] = qo[g] + m * tile_q
-    work[:, Q1] = np.minimum(qo[g] + (m + 1) * tile_q, qo[g + 1])
-    work[:, PAGE0] = kvp[g]
-    work[:, KV0] = np.minimum(s * group_chunk[g], kv_len[g])
-    work[:, KV1] = np.minimum((s + 1) * group_chunk[g], kv_len[g])
+    if (m_tiles > 1).any():
+        s, m = np.divmod(local, work[:, SPLIT])
+        work[:, Q0] += m * tile_q
+    else:
+        s = local
+    np.minimum(work[:, Q0] + tile_q, work[:, Q1], out=work[:, Q1])
+    chunk_end = (s + 1) * work[:, KV0]
+    np.minimum(chunk_end - work[:, KV0], work[:, KV1], out=work[:, KV0])
+    np.minimum(chunk_end, work[:, KV1], out=work[:, KV1])
     work[:, SPLIT] = s
-    work[:, DIAG] = (kv_len[g] - q_len[g] - qo[g]) if causal else NO_MASK
     return work, np.repeat(splits, q_len)
 
 

@@ -6,8 +6,8 @@ in O(total pages · log batch). A cost model walks the tree top-down and keeps t
 call; each kept node becomes a group at the level of its depth among kept nodes, and whatever a
 request has left after its deepest kept node goes to the last, causal level.
 
-Pass page tables as numpy arrays: 256 requests × 2000 pages plan in about 0.8 ms from a 2-D array
-and 1.1 ms from a list of rows on a shared 2-core machine (benchmarks/bench_planner.py); lists of
+Pass page tables as numpy arrays: 256 requests × 2000 pages plan in about 0.63 ms from a 2-D array
+and 1.0 ms from a list of rows on a shared 2-core machine (benchmarks/bench_planner.py); lists of
 Python ints cost a conversion and a type check of every page id (about 20 ms).
 """
 
@@ -119,7 +119,7 @@ class CascadePlanner:
             shared_end[node.lo : node.hi] = node.end
         if nodes and self._cost_model_decides():
             flat = PlanFeatures(1, float(kv[qo > 0].sum()), float((qo * kv).sum()))
-            cascade = _cascade_features(nodes, qo_planned, kv[order], shared_end, page_size)
+            cascade = _cascade_features(nodes, qo_planned, qo_indptr, kv[order], shared_end, page_size)
             if self.cost_model.time_us(flat) <= self.cost_model.time_us(cascade):
                 nodes, shared_end = [], np.zeros(batch, dtype=np.int64)
         if not nodes:
@@ -181,17 +181,25 @@ Pages = np.ndarray | list[np.ndarray]
 #: Page ids, the page size and query offsets end up in int32 plan arrays.
 _I32_MAX = int(np.iinfo(_I32).max)
 _BOOL_TYPES = frozenset((bool, np.bool_))
+#: Sorted neighbours compared per block of this many rows (see _sort_and_lcp).
+_LCP_BLOCK = 64
 
 
 def _cascade_features(
-    nodes: list[_Node], qo_planned: np.ndarray, kv_planned: np.ndarray, shared_end: np.ndarray, page_size: int
+    nodes: list[_Node],
+    qo_planned: np.ndarray,
+    qo_indptr: np.ndarray,
+    kv_planned: np.ndarray,
+    shared_end: np.ndarray,
+    page_size: int,
 ) -> PlanFeatures:
     """``cost_model.plan_features`` of the plan these nodes make, without building it."""
     kv_tokens = pairs = 0.0
+    qo_at = qo_indptr.tolist()
     for node in nodes:
         tokens = (node.end - node.start) * page_size
         kv_tokens += tokens
-        pairs += tokens * float(qo_planned[node.lo : node.hi].sum())
+        pairs += tokens * float(qo_at[node.hi] - qo_at[node.lo])
     own = np.where(qo_planned > 0, kv_planned - shared_end * page_size, 0)
     kv_tokens += float(own.sum())
     pairs += float((own * qo_planned).sum())
@@ -240,9 +248,10 @@ def _validate(
                 f"request {i}: {block_tables.shape[1]} pages for kv_len {kv[i]}, needs {num_pages[i]}"
             )
         matrix = block_tables[:, :width]
-        # Every entry in range (unused ones too) is the common case and one pass; otherwise look at
-        # the used entries only.
-        if matrix.size and (matrix.min() < 0 or matrix.max() > _I32_MAX):
+        # Every entry in range (unused ones too) is the common case and one pass (int32 entries are
+        # never above the range: only their minimum is looked at); otherwise look at the used
+        # entries only.
+        if matrix.size and (matrix.min() < 0 or (matrix.dtype != _I32 and matrix.max() > _I32_MAX)):
             used = np.arange(width) < num_pages[:, None]
             low, high = np.where(used, matrix, 0).min(), np.where(used, matrix, 0).max()
             if low < 0 or high > _I32_MAX:
@@ -298,32 +307,42 @@ def _sort_and_lcp(pages: Pages, shareable: np.ndarray, active: np.ndarray) -> tu
     """(order, lcp). order: planned order, requests with queries sorted by their shareable pages, so
     that requests sharing a prefix are contiguous (the DFS order of the trie), requests without
     queries last; stable: equal tables keep the engine's order. lcp[i]: pages that planned requests
-    i and i+1 (both with queries) share at the start of their shareable pages."""
+    i and i+1 (both with queries) share at the start of their shareable pages.
+
+    The order is that of the byte strings of the shareable pages (int32, native byte order), a
+    prefix before its extensions."""
     ids = np.flatnonzero(active)
     inactive = np.flatnonzero(~active)
     width = int(shareable.max(initial=0))
     if ids.size < 2 or width == 0:
         return np.concatenate([ids, inactive]), np.zeros(max(ids.size - 1, 0), dtype=np.int64)
-    # Any fixed-width encoding of the page ids groups common prefixes: a byte string sorts next to the
-    # strings it shares a prefix with, and a prefix sorts before its extensions. (Small per-row byte
-    # strings: large temporary arrays cost more in page faults than the sort itself.)
-    keys = {i: pages[i][:s].tobytes() for i, s in zip(ids.tolist(), shareable[ids].tolist(), strict=True)}
-    ids = np.array(sorted(keys, key=keys.__getitem__), dtype=np.int64)
-    del keys  # before the matrix below takes their memory: a plan's peak allocation stays low
-    # Neighbours' first difference, on their shareable pages padded with -1 (never a page id).
     share = shareable[ids]
+    # One key row per request: its shareable pages, zeros after them, and its shareable count
+    # big-endian last. numpy sorts such rows as void items, comparing bytes (memcmp): in the order of
+    # the pages' byte strings, since a zero-padded prefix only ties with an extension by zero bytes,
+    # and the count then puts the prefix first. Any fixed-width encoding of the page ids groups
+    # common prefixes. (One 2 MB temporary at most at 256 x 2000 pages: a larger peak makes the heap
+    # shrink and fault in again on every plan, costing more than the sort.)
     if isinstance(pages, np.ndarray):
-        padded = pages[ids, :width]  # one gather, then the entries past each row's shareable pages
+        rows = pages[ids, : width + 1]  # a request with queries has more pages than it can share
         for i in np.flatnonzero(share < width).tolist():
-            padded[i, share[i] :] = -1
+            rows[i, share[i] : width] = 0
     else:
-        padded = np.full((ids.shape[0], width), -1, dtype=_I32)
-        for row, i, n in zip(padded, ids.tolist(), share.tolist(), strict=True):
+        rows = np.zeros((ids.shape[0], width + 1), dtype=_I32)
+        for row, i, n in zip(rows, ids.tolist(), share.tolist(), strict=True):
             row[:n] = pages[i][:n]
-    differ = padded[1:] != padded[:-1]
-    first = np.where(differ.any(axis=1), differ.argmax(axis=1), width)
-    lcp = np.minimum(first, np.minimum(share[:-1], share[1:]))
-    return np.concatenate([ids, inactive]), lcp
+    rows[:, width] = share.astype(">i4").view(_I32)
+    perm = np.argsort(rows.view(np.dtype((np.void, rows.itemsize * (width + 1)))).ravel(), kind="stable")
+    # Neighbours' first difference (a padding zero may equal a page id: the shareable counts cap it),
+    # a block of sorted rows at a time, so that no sorted copy of every row is made.
+    first = np.empty(perm.shape[0] - 1, dtype=np.int64)
+    for lo in range(0, first.shape[0], _LCP_BLOCK):
+        block = rows[perm[lo : lo + _LCP_BLOCK + 1], :width]
+        differ = block[1:] != block[:-1]
+        at = differ.argmax(axis=1)
+        first[lo : lo + at.shape[0]] = np.where(differ[np.arange(at.shape[0]), at], at, width)
+    share = share[perm]
+    return np.concatenate([ids[perm], inactive]), np.minimum(first, np.minimum(share[:-1], share[1:]))
 
 
 def _lcp_intervals(lcp: np.ndarray) -> list[tuple[int, int, int]]:
@@ -352,19 +371,20 @@ def _shared_level(
     page_size: int,
 ) -> CascadeLevel:
     """One group per node of this level, and one group without KV per run of requests between them."""
+    qo_at = qo_indptr.tolist()
     group_qo = [0]
     group_pages: list[np.ndarray] = []
     position = 0
     for node in sorted(nodes, key=lambda n: n.lo):
-        if qo_indptr[node.lo] > qo_indptr[position]:
-            group_qo.append(int(qo_indptr[node.lo]))
+        if qo_at[node.lo] > qo_at[position]:
+            group_qo.append(qo_at[node.lo])
             group_pages.append(np.zeros(0, dtype=_I32))
-        group_qo.append(int(qo_indptr[node.hi]))
+        group_qo.append(qo_at[node.hi])
         # Members share these pages by construction; any member's table gives them.
         group_pages.append(pages[order[node.lo]][node.start : node.end])
         position = node.hi
-    if qo_indptr[-1] > qo_indptr[position]:
-        group_qo.append(int(qo_indptr[-1]))
+    if qo_at[-1] > qo_at[position]:
+        group_qo.append(qo_at[-1])
         group_pages.append(np.zeros(0, dtype=_I32))
     num_pages = np.array([p.shape[0] for p in group_pages], dtype=np.int64)
     return CascadeLevel(
@@ -389,7 +409,13 @@ def _unique_level(
     queries). Always non-empty for a request with queries: shared segments stop before new tokens."""
     kv_planned = kv[order]
     end = np.where(qo_planned > 0, -(-kv_planned // page_size), shared_end)
-    own = [pages[r][s:e] for r, s, e in zip(order.tolist(), shared_end.tolist(), end.tolist(), strict=True)]
+    spans = zip(order.tolist(), shared_end.tolist(), end.tolist(), strict=True)
+    # A 2-D array is sliced in one indexing step per request (no row view in between).
+    own = (
+        [pages[r, s:e] for r, s, e in spans]
+        if isinstance(pages, np.ndarray)
+        else [pages[r][s:e] for r, s, e in spans]
+    )
     last = np.where(end > shared_end, kv_planned - (end - 1) * page_size, 0)
     return CascadeLevel(
         qo_indptr=qo_indptr.astype(_I32),

@@ -1,3 +1,5 @@
+import itertools
+
 import numpy as np
 import pytest
 from cascade_batches import Batch, batches
@@ -361,3 +363,52 @@ def test_plans_a_large_batch_as_its_sharing_tree() -> None:
     order = plan.request_order
     np.testing.assert_array_equal(conversation.kv_indices[:500], tables[order[0], 1000:1500])
     np.testing.assert_array_equal(own.kv_indices, tables[order, 1500:].ravel())
+
+
+def _sorted_by_bytes_and_lcp(tables: np.ndarray, share: np.ndarray, active: np.ndarray) -> tuple[list, list]:
+    """The definition: requests with queries in the order of their shareable pages' int32 byte strings
+    (stable), then the others; neighbours' common prefixes counted page by page."""
+    ids = sorted(
+        np.flatnonzero(active).tolist(), key=lambda i: tables[i, : share[i]].astype(np.int32).tobytes()
+    )
+    lcp = []
+    for a, b in itertools.pairwise(ids):
+        n = 0
+        while n < min(share[a], share[b]) and tables[a, n] == tables[b, n]:
+            n += 1
+        lcp.append(n)
+    return ids + np.flatnonzero(~active).tolist(), lcp
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_sort_and_lcp_match_their_definition(data: st.DataObject) -> None:
+    """Sorting key rows as bytes and comparing sorted neighbours a block at a time gives the order of
+    the byte strings and the page-by-page common prefixes, for either container of tables."""
+    from prefix_cache.cascade_planner import _sort_and_lcp
+
+    n = data.draw(st.integers(1, 150))
+    width = data.draw(st.integers(1, 6))
+    # Few distinct ids (many shared prefixes), some spanning several bytes, zeros like the padding.
+    values = data.draw(
+        st.lists(st.sampled_from([0, 1, 255, 256, 65537, 2**24, 2**31 - 1]), min_size=2, max_size=3)
+    )
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    tables = np.array(values, dtype=np.int32)[rng.integers(0, len(values), size=(n, width + 1))]
+    active = rng.random(n) < 0.9
+    share = np.where(active, rng.integers(0, width + 1, size=n), 0)
+    want_order, want_lcp = _sorted_by_bytes_and_lcp(tables, share, active)
+    for pages in (tables, [row[: s + 1] for row, s in zip(tables, share, strict=True)]):
+        order, lcp = _sort_and_lcp(pages, share, active)
+        assert order.tolist() == want_order
+        assert lcp.tolist() == want_lcp
+
+
+def test_sort_and_lcp_put_a_prefix_before_its_extension() -> None:
+    """All-zero tables tie with their padding: the shorter one sorts first, at any count."""
+    from prefix_cache.cascade_planner import _sort_and_lcp
+
+    tables = np.zeros((3, 301), dtype=np.int32)
+    share = np.array([300, 256, 1])
+    order, lcp = _sort_and_lcp(tables, share, np.ones(3, dtype=bool))
+    assert order.tolist() == [2, 1, 0] and lcp.tolist() == [1, 256]

@@ -181,6 +181,7 @@ class TritonBackend(AttentionBackend):
         self._bound_dtype: torch.dtype | None = None
         self._attention_launches: list[AttentionLaunch] = []
         self._merge_launch: MergeLaunch | None = None
+        self._launch_key: tuple | None = None  # what the launches above were made for
         self._qk_scale = 0.0
         self._runnable = True  # False for CPU tensors outside Triton's interpreter
         self._stores: dict[str, torch.Tensor] = {}  # device buffers of exact plans (see _reuse)
@@ -383,7 +384,19 @@ class TritonBackend(AttentionBackend):
     def _bind_launches(self, dtype: torch.dtype, page_size: int) -> None:
         """Fix the grids and compile-time constants of the plan's launches for ``dtype``: a run then
         only reads strides and launches."""
+        self._qk_scale = self.sm_scale * LOG2E
+        self._bound_dtype = dtype
         group = self.num_qo_heads // self.num_kv_heads
+        assert self._starts is not None
+        # Launches are kept while the next plan's are the same (a fixed-capacity backend's always
+        # are): making one costs ~10 µs of host time.
+        key = (
+            tuple((launch.num_programs, launch.tile) for launch in self._launches),
+            self._starts.shape[0], group, self.num_kv_heads, self.num_qo_heads, page_size,
+            self.head_dim, dtype, interpreting(),
+        )  # fmt: skip
+        if key == self._launch_key:
+            return
         self._attention_launches = [
             AttentionLaunch(
                 num_programs=launch.num_programs,
@@ -396,10 +409,8 @@ class TritonBackend(AttentionBackend):
             )
             for launch in self._launches
         ]
-        assert self._starts is not None
         self._merge_launch = MergeLaunch(self._starts.shape[0], self.num_qo_heads, self.head_dim)
-        self._qk_scale = self.sm_scale * LOG2E
-        self._bound_dtype = dtype
+        self._launch_key = key
 
     def _run(self, plan, q, kv_cache, k, v, out) -> None:
         if q.device != self.device:

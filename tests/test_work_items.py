@@ -1,0 +1,74 @@
+"""``level_work`` against a per-group loop that writes each work item as the work.py docstring
+defines it (host-side numpy only, no kernels)."""
+
+import numpy as np
+import pytest
+from prefix_cache.kernels.work import (
+    DIAG,
+    KV0,
+    KV1,
+    NO_MASK,
+    PAGE0,
+    Q0,
+    Q1,
+    SPLIT,
+    WORK_COLS,
+    TileConfig,
+    check_level,
+    level_work,
+)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _reference(qo, kvp, kv_len, *, causal, group_size, tile, chunk, max_splits):
+    """Items group by group, splits outer and M tiles inner; per token, the splits of its group."""
+    tile_q = tile.block_m // group_size
+    chunk = _cdiv(chunk, tile.block_n) * tile.block_n
+    items, token_splits = [], []
+    for g in range(len(kv_len)):
+        q_len, kv = int(qo[g + 1] - qo[g]), int(kv_len[g])
+        splits = min(max(_cdiv(kv, chunk), 1), max_splits) if kv > 0 else 0
+        token_splits += [splits] * q_len
+        if splits == 0 or q_len == 0:
+            continue
+        per = _cdiv(_cdiv(kv, splits), tile.block_n) * tile.block_n
+        for s in range(splits):
+            for m in range(_cdiv(q_len, tile_q)):
+                row = [0] * WORK_COLS
+                row[Q0] = int(qo[g]) + m * tile_q
+                row[Q1] = min(int(qo[g]) + (m + 1) * tile_q, int(qo[g + 1]))
+                row[PAGE0] = int(kvp[g])
+                row[KV0], row[KV1] = min(s * per, kv), min((s + 1) * per, kv)
+                row[SPLIT] = s
+                row[DIAG] = kv - q_len - int(qo[g]) if causal else NO_MASK
+                items.append(row)
+    return items, token_splits
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_level_work_matches_a_loop_over_groups(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    for _ in range(20):
+        groups = int(rng.integers(1, 12))
+        q_len = rng.integers(0, 40, groups) * (rng.random(groups) < 0.8)  # some groups without queries
+        pages = rng.integers(0, 30, groups) * (rng.random(groups) < 0.8)  # some without KV
+        page_size = int(rng.choice([1, 16]))
+        last = np.where(pages > 0, rng.integers(1, page_size + 1, groups), 0)
+        qo, kvp = np.concatenate([[0], np.cumsum(q_len)]), np.concatenate([[0], np.cumsum(pages)])
+        level = check_level(qo, kvp, rng.integers(0, 99, int(kvp[-1])), last, page_size)
+        causal, group_size = bool(rng.random() < 0.5), int(rng.choice([1, 4, 8]))
+        tile = TileConfig(int(rng.choice([16, 64, 128])), 16, 4, 1)
+        chunk, max_splits = int(rng.integers(1, 200)), int(rng.choice([64, 4, 1]))
+        work, splits = level_work(
+            level, causal=causal, group_size=group_size, num_kv_heads=2, tile=tile, sms=4,
+            kv_chunk_size=chunk, max_splits=max_splits,
+        )  # fmt: skip
+        want_items, want_splits = _reference(
+            qo, kvp, level.kv_len, causal=causal, group_size=group_size, tile=tile, chunk=chunk,
+            max_splits=max_splits,
+        )  # fmt: skip
+        assert work.tolist() == want_items
+        assert splits.tolist() == want_splits
