@@ -371,7 +371,13 @@ def test_auto_backend_routes() -> None:
         backend.plan(plan, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, q_dtype=dtype)
         assert backend.route == route
         q = torch.randn(sum(qo_lens), hq, d, generator=generator).to("cuda", dtype)
-        out = backend.run(q, kv_cache)
         expected = reference_attention(q, kv_cache, tables, kv_lens, qo_lens, d**-0.5)
         scale = float(expected.abs().max())
+        out = backend.run(q, kv_cache)
         torch.testing.assert_close(out.double(), expected, atol=1.6e-2 * scale, rtol=0, msg=route)
+        # The caller's output: contiguous (one-level FlashInfer plans write it in place) and strided
+        # (written through a copy).
+        strided = torch.full((q.shape[0], hq, 2 * d), float("nan"), dtype=dtype, device="cuda")[..., :d]
+        for mine in (torch.full_like(q, float("nan")), strided):
+            assert backend.run(q, kv_cache, out=mine) is mine
+            torch.testing.assert_close(mine.double(), expected, atol=1.6e-2 * scale, rtol=0, msg=route)

@@ -143,12 +143,18 @@ class FlashInferBackend(AttentionBackend):
         # FlashInfer takes the 5-D NHD tensor or a (k, v) pair of 4-D tensors, reading page strides.
         paged = kv_cache if isinstance(kv_cache, torch.Tensor) else (k, v)
         q_planned = q.contiguous() if self._in_order else to_planned_order(q, self._query_order)
+        # One-level wrappers write an in-order, contiguous ``out`` themselves: no copy launch.
+        direct = self._in_order and len(self._levels) == 1 and out.is_contiguous()
         if self._decode_wrapper is not None:
-            result = self._decode_wrapper.run(q_planned, paged)
+            result = self._decode_wrapper.run(q_planned, paged, out=out if direct else None)
+        elif direct:
+            result = self._prefill_wrappers[0].run(q_planned, paged, out=out)
         elif self._use_cascade_wrapper():
             result = self._cascade_wrappers[len(self._levels)].run(q_planned, paged)
         else:
             result = self._run_levels(q_planned, paged)
+        if direct:
+            return
         if self._in_order:
             out.copy_(result)
         else:
