@@ -9,7 +9,9 @@ modes alternate three times and the medians are reported. Columns, µs per ``run
 - host: time ``run`` takes on the host, 30 calls queued without a sync (the GPU is not waited for);
 - back to back: 100 calls then a sync, per call: the eager cost of a layer when nothing else runs;
 - GPU: a CUDA graph of 20 runs replayed (the Triton backend's kernels without any host work);
-- over GPU: back to back minus GPU, the host time a layer adds to the GPU time.
+- over GPU: back to back minus GPU, the host time a layer adds to the GPU time. Where the auto
+  backend routes to FlashInfer, this column instead compares the caller's ``out`` written in place
+  (contiguous) with the same run through a copy (a strided ``out``).
 
 Usage: ``python benchmarks/bench_run_host.py [--cases SUBSTRING] [--out DIR]``.
 """
@@ -96,7 +98,34 @@ def bench_case(case) -> dict:
     for name in ("triton", "auto"):
         for mode in MODES:
             row[f"{name}_{mode}_over_gpu_us"] = row[f"{name}_{mode}_b2b_us"] - row["gpu_us"]
+    if row["auto_route"] == "flashinfer":
+        row.update(out_placement(plan, heads, q, kv_cache))
     return row
+
+
+def out_placement(plan, heads: dict, q: torch.Tensor, kv_cache: torch.Tensor) -> dict:
+    """The auto backend's FlashInfer route with the caller's ``out`` contiguous (a one-level plan's
+    wrapper writes it in place) and strided (written through a copy): medians of 3 alternated rounds
+    of host and back-to-back µs per ``run``."""
+    backend = create_backend("auto", device="cuda")
+    backend.plan(plan, **heads)
+    rows, hq, d = q.shape
+    outs = {
+        "in_place": torch.empty_like(q),
+        "copy": torch.empty(rows, hq, 2 * d, dtype=q.dtype, device=q.device)[..., :d],
+    }
+    samples: dict = {}
+    for _ in range(3):
+        for how, out in outs.items():
+
+            def run(o=out):
+                backend.run(q, kv_cache, out=o)
+
+            for _ in range(3):
+                run()
+            samples.setdefault(f"fi_out_{how}_host_us", []).append(per_call_us(run, 30, wait=False))
+            samples.setdefault(f"fi_out_{how}_b2b_us", []).append(per_call_us(run, 100, wait=True))
+    return {key: statistics.median(values) for key, values in samples.items()}
 
 
 def markdown(rows: list[dict]) -> str:
@@ -112,6 +141,12 @@ def markdown(rows: list[dict]) -> str:
 
     for r in rows:
         auto_over = pair(r, "auto", "over_gpu") if r["auto_route"] == "triton" else "-"
+        if r["auto_route"] == "flashinfer":
+            auto_over = (
+                f"out in place / copied: host {r['fi_out_in_place_host_us']:.1f} / "
+                f"{r['fi_out_copy_host_us']:.1f}, "
+                f"back to back {r['fi_out_in_place_b2b_us']:.1f} / {r['fi_out_copy_b2b_us']:.1f}"
+            )
         lines.append(
             f"| {r['case']} | {r['levels']} | {r['gpu_us']:.1f} | {pair(r, 'triton', 'host')} | "
             f"{pair(r, 'triton', 'b2b')} | {pair(r, 'triton', 'over_gpu')} | {r['auto_route']} | "
