@@ -316,7 +316,7 @@ def plan_level(
         raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
     level = check_level(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, page_size)
     group_size = num_qo_heads // num_kv_heads
-    tile = tile_config(level.max_rows_per_group * group_size, group_size, head_dim)
+    tile = tile_config(level.max_rows_per_group * group_size, group_size, head_dim, page_size)
     device = torch.device(device)
     work, splits = level_work(
         level, causal=causal, group_size=group_size, num_kv_heads=num_kv_heads, tile=tile,

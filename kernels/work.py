@@ -48,9 +48,9 @@ class TileConfig:
         return 1 if self.block_m >= 128 else 2 if self.block_m >= 64 else 4
 
 
-def tile_config(max_rows: int, group_size: int, head_dim: int) -> TileConfig:
-    """The tile for a level whose largest group has ``max_rows`` query rows (tokens x group_size).
-    tl.dot needs every block dimension >= 16."""
+def tile_config(max_rows: int, group_size: int, head_dim: int, page_size: int) -> TileConfig:
+    """The tile for a level whose largest group has ``max_rows`` query rows (tokens x group_size),
+    over pages of ``page_size`` tokens. tl.dot needs every block dimension >= 16."""
     block_d = max(16, next_pow2(head_dim))
     floor_m = max(16, next_pow2(group_size))
     if interpreting():
@@ -59,18 +59,26 @@ def tile_config(max_rows: int, group_size: int, head_dim: int) -> TileConfig:
         return TileConfig(max(floor_m, min(next_pow2(max_rows), 64)), 16, 1, 1)
     cap_m = 128 if block_d <= 128 else 64
     block_m = max(floor_m, min(next_pow2(max_rows), cap_m))
+    # Decode tiles (16 rows) over pages of 16+ tokens: two KV stages, not three, so more programs
+    # stay resident per SM (an H200 sweep: 4-21% less GPU time on the unique levels of shared
+    # batches, 4-7% more on a few small one-level batches; pages of 1 token lost 22% and keep three).
+    # benchmarks/NOTES.md, attempt 7.
+    stages = 2 if block_d > 128 or (block_m <= 16 and page_size >= 16) else 3
     return TileConfig(
         block_m=block_m,
         block_n=64 if block_d <= 128 else 32,
         num_warps=8 if block_m >= 128 else 4,
-        num_stages=3 if block_d <= 128 else 2,
+        num_stages=stages,
     )
 
 
-def fixed_tile_configs(group_size: int, head_dim: int) -> tuple[TileConfig, TileConfig]:
+def fixed_tile_configs(group_size: int, head_dim: int, page_size: int) -> tuple[TileConfig, TileConfig]:
     """(narrow, wide): the two tiles of a fixed-launch (CUDA-graph) schedule. Narrow fits one query
     token of a group (decode); wide is the largest tile, for groups of many queries."""
-    return tile_config(1, group_size, head_dim), tile_config(1 << 20, group_size, head_dim)
+    return (
+        tile_config(1, group_size, head_dim, page_size),
+        tile_config(1 << 20, group_size, head_dim, page_size),
+    )
 
 
 @dataclass(frozen=True)

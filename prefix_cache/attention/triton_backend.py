@@ -213,11 +213,11 @@ class TritonBackend(AttentionBackend):
         if self.dtype is not None:
             self._bind_launches(self.dtype, plan.page_size)
 
-    def _tile_for(self, level, tiles: tuple[TileConfig, ...] | None) -> TileConfig:
+    def _tile_for(self, level, tiles: tuple[TileConfig, ...] | None, page_size: int) -> TileConfig:
         group = self.num_qo_heads // self.num_kv_heads
         rows = level.max_rows_per_group * group
         if tiles is None:
-            return tile_config(rows, group, self.head_dim)
+            return tile_config(rows, group, self.head_dim, page_size)
         narrow, wide = tiles
         return narrow if rows <= narrow.block_m else wide
 
@@ -229,7 +229,7 @@ class TritonBackend(AttentionBackend):
         splits = np.zeros((len(levels), plan.num_query_tokens), dtype=np.int64)
         kv_base = 0
         for i, (level, source) in enumerate(zip(levels, plan.levels, strict=True)):
-            tile = self._tile_for(level, tiles)
+            tile = self._tile_for(level, tiles, plan.page_size)
             work, splits[i] = level_work(
                 level, causal=source.causal, group_size=group, num_kv_heads=self.num_kv_heads, tile=tile,
                 sms=sms, kv_chunk_size=kv_chunk_size, max_splits=max_splits,
@@ -301,7 +301,7 @@ class TritonBackend(AttentionBackend):
         ):
             if need > have:
                 raise ValueError(f"the plan has {need} {what}, over the backend's capacity of {have}")
-        tiles = fixed_tile_configs(group, self.head_dim)
+        tiles = fixed_tile_configs(group, self.head_dim, plan.page_size)
         # Splits that do not fit the fixed buffers are cut down, not dropped: fewer, longer splits.
         for max_splits in (MAX_SPLITS, 16, 8, 4, 2, 1):
             by_tile, splits = self._schedule(plan, levels, tiles, self.kv_chunk_size, max_splits)
