@@ -367,16 +367,17 @@ class BlockTree:
 
     # ------------------------------------------------------------------ eviction
 
-    def evict(self, count: int) -> list[tuple[Root, list[int], list[int]]]:
+    def evict(self, count: int) -> list[tuple[Root, array, list[int]]]:
         """Remove up to ``count`` pages from the tree, from the end of the least recently released
         unreferenced leaf's run first, and return them as ``(root, pages, keys)`` per run they
-        came from, deepest page first (the pages are the caller's again). A leaf whose run is
+        came from (``pages`` an ``array('i')``), deepest page first (the pages are the caller's
+        again). A leaf whose run is
         gone can make its parent a candidate, so a whole unreferenced path can go in one call."""
         recent = self.recent
         older = self.older
         heappop = heapq.heappop
         pb = self.page_bytes
-        evicted: list[tuple[Root, list[int], list[int]]] = []
+        evicted: list[tuple[Root, array, list[int]]] = []
         removed = 0
         # The next victim when it is already known: a parent just orphaned by eviction that is
         # older than every candidate. A cold path then goes leaf to root without heap traffic.
@@ -404,7 +405,7 @@ class BlockTree:
             if want < size:
                 # Part of the run: its end goes, the rest keeps its place in the LRU.
                 keep = size - want
-                pages = node.pages[keep:].tolist()
+                pages = node.pages[keep:]
                 keys = node.keys[keep:]
                 del node.pages[keep:]
                 del node.keys[keep:]
@@ -428,7 +429,7 @@ class BlockTree:
                     heappop(older)
                 node.lru_serial = -1
                 self.num_lru -= 1
-            pages = node.pages.tolist()
+            pages = node.pages
             keys = node.keys
             pages.reverse()
             keys.reverse()

@@ -364,7 +364,7 @@ class PrefixCache:
         try:
             keep = -(-num_tokens // self._page_size)
             if keep < seq._num_pages:
-                self._pool.put_many(seq._pages[keep : seq._num_pages].tolist())
+                self._pool.put_table(seq._pages[keep : seq._num_pages])
                 seq._num_pages = keep
                 seq._capacity = keep * self._page_size
                 # Entries written by write_block_tables past ``keep`` are stale now.
@@ -473,7 +473,7 @@ class PrefixCache:
             if seq._node is not root:
                 tree.release(seq._node, root)
             pool = self._pool
-            pool.put_many(seq._pages[seq._num_held : seq._num_pages].tolist())
+            pool.put_table(seq._pages[seq._num_held : seq._num_pages])
             if seq._dups:
                 pool.put_many(seq._dups)
                 seq._dups = ()

@@ -238,7 +238,7 @@ class PageStore:
             events.emit((keys, root.namespace))
         return count
 
-    def evict_pages(self, num_pages: int) -> tuple[list[tuple[Root, list[int], list[int]]], int]:
+    def evict_pages(self, num_pages: int) -> tuple[list[tuple[Root, array, list[int]]], int]:
         """Evict up to ``num_pages`` pages in LRU order (no event); returns them as the tree's
         ``evict`` does, and their number."""
         evicted = self.tree.evict(num_pages)

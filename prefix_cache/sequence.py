@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -103,7 +104,7 @@ class Sequence:
     def __reduce_ex__(self, protocol: object) -> object:
         raise TypeError("a Sequence cannot be pickled or copied: it is bound to its cache's pages")
 
-    def _add_pages(self, pages: list[int], page_size: int) -> None:
+    def _add_pages(self, pages: array, page_size: int) -> None:
         """Append page ids to the block table; the buffers must have room (``_grow`` first)."""
         end = self._num_pages + len(pages)
         self._pages[self._num_pages : end] = pages
