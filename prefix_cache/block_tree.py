@@ -56,6 +56,8 @@ from prefix_cache.hashing import HashFn, Namespace, default_hash_fn
 from prefix_cache.tree_nodes import Node, Root, Walk, add_child, remove_child
 
 _KEY_LIMIT = 2**64
+# Pages per chunk that ``page_keys`` splits a long chain into.
+_CHUNK_PAGES = 64
 # Rebuild the heap when it holds more than this many entries beyond twice the live ones.
 _HEAP_SLACK = 1024
 
@@ -73,8 +75,11 @@ class BlockTree:
         self.check_keys = hash_fn is not default_hash_fn
         self.page_size = page_size
         self.page_bytes = 4 * page_size
-        # Splits token bytes into pages in C: cheaper per page than slicing in a Python loop.
+        # Splits token bytes into pages in C: cheaper per page than slicing in a Python loop; a
+        # chunk of pages at once saves a 1-tuple per page (2 of 10 µs for 136 one-token pages).
         self._page_struct = struct.Struct(f"{self.page_bytes}s")
+        self._chunk_struct = struct.Struct(f"{self.page_bytes}s" * _CHUNK_PAGES)
+        self._chunk_bytes = self.page_bytes * _CHUNK_PAGES
         self.roots: dict[Namespace, Root] = {}
         #: Bumped whenever a node is added, removed, split or extended, so a walk can be reused
         #: while the tree is unchanged.
@@ -290,7 +295,19 @@ class BlockTree:
         hash_fn = self.hash_fn
         if extras is None and not self.check_keys:
             # The common case, one page per iteration and nothing else: each key seeds the next.
-            return [key := hash_fn(page, key) for (page,) in self._page_struct.iter_unpack(data)]
+            # Whole chunks of pages come out of one unpack as a flat tuple, the rest one by one.
+            size = len(data)
+            if size < self._chunk_bytes:
+                return [key := hash_fn(page, key) for (page,) in self._page_struct.iter_unpack(data)]
+            split = size - size % self._chunk_bytes
+            keys = [
+                key := hash_fn(page, key)
+                for chunk in self._chunk_struct.iter_unpack(data[:split])
+                for page in chunk
+            ]
+            if split < size:
+                keys += [key := hash_fn(page, key) for (page,) in self._page_struct.iter_unpack(data[split:])]
+            return keys
         pb = self.page_bytes
         keys: list[int] = []
         for i, start in enumerate(range(0, len(data), pb)):
