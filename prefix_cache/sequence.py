@@ -44,6 +44,7 @@ class Sequence:
         "_num_tokens",
         "_owner",
         "_pages",
+        "_pages_int",
         "_pages_view",
         "_rollbacks",
         "_root",
@@ -70,6 +71,9 @@ class Sequence:
         # Committed tokens; capacity is always a whole number of pages, at least the allocated ones.
         self._tokens = np.empty(capacity_pages * page_size, dtype=np.int32)
         self._pages = np.empty(capacity_pages, dtype=np.int32)
+        # The same buffer as C ints, the format of the tree's ``array('i')`` runs: a run copies
+        # into it in one memcpy, without numpy's conversion of the source (0.5 µs per run).
+        self._pages_int = int_view(self._pages)
         # Read-only views of the buffers that ``tokens`` and ``block_table`` slice, made on first use.
         self._tokens_view: np.ndarray | None = None
         self._pages_view: np.ndarray | None = None
@@ -107,7 +111,7 @@ class Sequence:
     def _add_pages(self, pages: array, page_size: int) -> None:
         """Append page ids to the block table; the buffers must have room (``_grow`` first)."""
         end = self._num_pages + len(pages)
-        self._pages[self._num_pages : end] = pages
+        self._pages_int[self._num_pages : end] = pages
         self._num_pages = end
         self._capacity = end * page_size
 
@@ -120,6 +124,7 @@ class Sequence:
         grown_pages[: self._num_pages] = self._pages[: self._num_pages]
         grown_tokens[: self._num_tokens] = self._tokens[: self._num_tokens]
         self._pages = grown_pages
+        self._pages_int = int_view(grown_pages)
         self._tokens = grown_tokens
         self._pages_view = None
         self._tokens_view = None
@@ -180,6 +185,13 @@ class Sequence:
             f"Sequence(id={self._id}, {state}, namespace={self._namespace!r}, tokens={self._num_tokens}, "
             f"allocated={self._num_allocated}, pages={self._num_pages})"
         )
+
+
+def int_view(buffer: np.ndarray) -> memoryview:
+    """A writeable memoryview of the int32 array ``buffer`` in the format of ``array('i')``."""
+    view = memoryview(buffer)
+    # numpy names int32 "i" where C int is 32 bits wide, and may name it "l" where long is too.
+    return view if view.format == "i" else view.cast("B").cast("i")
 
 
 def _read_only(buffer: np.ndarray) -> np.ndarray:
