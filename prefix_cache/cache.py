@@ -316,7 +316,7 @@ class PrefixCache:
             elif kind is np.ndarray and tokens.dtype is _INT32 and tokens.shape == _ONE:
                 token = tokens.item()
             if token >= 0:
-                seq._tokens[n] = token
+                seq._tokens_int[n] = token
                 n += 1
                 if n % self._page_size == 0:
                     lock = self._lock
@@ -425,7 +425,7 @@ class PrefixCache:
         try:
             for seq, token in zip(seqs, arr.tolist(), strict=True):
                 n = seq._num_tokens
-                seq._tokens[n] = token
+                seq._tokens_int[n] = token
                 n += 1
                 if n % page_size == 0:
                     self._store.store_page(seq, n, token)

@@ -49,6 +49,7 @@ class Sequence:
         "_rollbacks",
         "_root",
         "_tokens",
+        "_tokens_int",
         "_tokens_view",
     )
 
@@ -71,8 +72,10 @@ class Sequence:
         # Committed tokens; capacity is always a whole number of pages, at least the allocated ones.
         self._tokens = np.empty(capacity_pages * page_size, dtype=np.int32)
         self._pages = np.empty(capacity_pages, dtype=np.int32)
-        # The same buffer as C ints, the format of the tree's ``array('i')`` runs: a run copies
-        # into it in one memcpy, without numpy's conversion of the source (0.5 µs per run).
+        # The same buffers as C ints, the format of the tree's ``array('i')`` runs: a run copies
+        # into them in one memcpy, without numpy's conversion of the source (0.5 µs per run),
+        # and one token or page id is read or written in half the time of a numpy index.
+        self._tokens_int = int_view(self._tokens)
         self._pages_int = int_view(self._pages)
         # Read-only views of the buffers that ``tokens`` and ``block_table`` slice, made on first use.
         self._tokens_view: np.ndarray | None = None
@@ -126,6 +129,7 @@ class Sequence:
         self._pages = grown_pages
         self._pages_int = int_view(grown_pages)
         self._tokens = grown_tokens
+        self._tokens_int = int_view(grown_tokens)
         self._pages_view = None
         self._tokens_view = None
 
