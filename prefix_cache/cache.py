@@ -316,7 +316,7 @@ class PrefixCache:
             elif kind is np.ndarray and tokens.dtype is _INT32 and tokens.shape == _ONE:
                 token = tokens.item()
             if token >= 0:
-                seq._tokens[n] = token
+                seq._tokens_int[n] = token
                 n += 1
                 if n % self._page_size == 0:
                     lock = self._lock
@@ -364,7 +364,7 @@ class PrefixCache:
         try:
             keep = -(-num_tokens // self._page_size)
             if keep < seq._num_pages:
-                self._pool.put_many(seq._pages[keep : seq._num_pages].tolist())
+                self._pool.put_table(seq._pages[keep : seq._num_pages])
                 seq._num_pages = keep
                 seq._capacity = keep * self._page_size
                 # Entries written by write_block_tables past ``keep`` are stale now.
@@ -425,7 +425,7 @@ class PrefixCache:
         try:
             for seq, token in zip(seqs, arr.tolist(), strict=True):
                 n = seq._num_tokens
-                seq._tokens[n] = token
+                seq._tokens_int[n] = token
                 n += 1
                 if n % page_size == 0:
                     self._store.store_page(seq, n, token)
@@ -473,7 +473,7 @@ class PrefixCache:
             if seq._node is not root:
                 tree.release(seq._node, root)
             pool = self._pool
-            pool.put_many(seq._pages[seq._num_held : seq._num_pages].tolist())
+            pool.put_table(seq._pages[seq._num_held : seq._num_pages])
             if seq._dups:
                 pool.put_many(seq._dups)
                 seq._dups = ()
@@ -568,7 +568,7 @@ class PrefixCache:
         seq._node = root
         num_cached = 0
         if walk.pages:
-            seq._node = self._tree.hold(walk, seq._pages, 0)
+            seq._node = self._tree.hold(walk, seq._pages_int, 0)
             seq._num_held = seq._num_full_pages = seq._num_pages = walk.pages
             num_cached = walk.pages * self._page_size
             seq._capacity = num_cached

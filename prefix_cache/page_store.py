@@ -60,7 +60,7 @@ class PageStore:
             # else from the end of the oldest run. Anything else takes the general path below.
             page = free.pop() if free else self._evict_from_run()
             if page is not None:
-                seq._pages[count] = page
+                seq._pages_int[count] = page
                 seq._num_pages = count + 1
                 seq._capacity += page_size
                 seq._num_allocated = end
@@ -126,7 +126,7 @@ class PageStore:
             self.collision_pages += 1
             return
         leaf.tokens += data
-        leaf.pages.append(seq._pages.item(full - 1))
+        leaf.pages.append(seq._pages_int[full - 1])
         leaf.keys.append(key)
         if leaf.extras is not None:
             leaf.extras.append(b"")
@@ -238,7 +238,7 @@ class PageStore:
             events.emit((keys, root.namespace))
         return count
 
-    def evict_pages(self, num_pages: int) -> tuple[list[tuple[Root, list[int], list[int]]], int]:
+    def evict_pages(self, num_pages: int) -> tuple[list[tuple[Root, array, list[int]]], int]:
         """Evict up to ``num_pages`` pages in LRU order (no event); returns them as the tree's
         ``evict`` does, and their number."""
         evicted = self.tree.evict(num_pages)

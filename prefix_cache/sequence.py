@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -43,10 +44,12 @@ class Sequence:
         "_num_tokens",
         "_owner",
         "_pages",
+        "_pages_int",
         "_pages_view",
         "_rollbacks",
         "_root",
         "_tokens",
+        "_tokens_int",
         "_tokens_view",
     )
 
@@ -69,6 +72,15 @@ class Sequence:
         # Committed tokens; capacity is always a whole number of pages, at least the allocated ones.
         self._tokens = np.empty(capacity_pages * page_size, dtype=np.int32)
         self._pages = np.empty(capacity_pages, dtype=np.int32)
+        # The same buffers as C ints, the format of the tree's ``array('i')`` runs: a run copies
+        # into them in one memcpy, without numpy's conversion of the source (0.5 µs per run),
+        # and one token or page id is read or written in half the time of a numpy index.
+        if _INT32_IS_C_INT:
+            self._tokens_int = memoryview(self._tokens)
+            self._pages_int = memoryview(self._pages)
+        else:
+            self._tokens_int = int_view(self._tokens)
+            self._pages_int = int_view(self._pages)
         # Read-only views of the buffers that ``tokens`` and ``block_table`` slice, made on first use.
         self._tokens_view: np.ndarray | None = None
         self._pages_view: np.ndarray | None = None
@@ -103,10 +115,10 @@ class Sequence:
     def __reduce_ex__(self, protocol: object) -> object:
         raise TypeError("a Sequence cannot be pickled or copied: it is bound to its cache's pages")
 
-    def _add_pages(self, pages: list[int], page_size: int) -> None:
+    def _add_pages(self, pages: array, page_size: int) -> None:
         """Append page ids to the block table; the buffers must have room (``_grow`` first)."""
         end = self._num_pages + len(pages)
-        self._pages[self._num_pages : end] = pages
+        self._pages_int[self._num_pages : end] = pages
         self._num_pages = end
         self._capacity = end * page_size
 
@@ -119,7 +131,9 @@ class Sequence:
         grown_pages[: self._num_pages] = self._pages[: self._num_pages]
         grown_tokens[: self._num_tokens] = self._tokens[: self._num_tokens]
         self._pages = grown_pages
+        self._pages_int = int_view(grown_pages)
         self._tokens = grown_tokens
+        self._tokens_int = int_view(grown_tokens)
         self._pages_view = None
         self._tokens_view = None
 
@@ -179,6 +193,17 @@ class Sequence:
             f"Sequence(id={self._id}, {state}, namespace={self._namespace!r}, tokens={self._num_tokens}, "
             f"allocated={self._num_allocated}, pages={self._num_pages})"
         )
+
+
+def int_view(buffer: np.ndarray) -> memoryview:
+    """A writeable memoryview of the int32 array ``buffer`` in the format of ``array('i')``."""
+    view = memoryview(buffer)
+    return view if view.format == "i" else view.cast("B").cast("i")
+
+
+# numpy names int32 "i" where C int is 32 bits wide (and may name it "l" where long is too):
+# then a plain memoryview is already in the format of ``array('i')``.
+_INT32_IS_C_INT = memoryview(np.empty(0, dtype=np.int32)).format == "i"
 
 
 def _read_only(buffer: np.ndarray) -> np.ndarray:

@@ -758,3 +758,23 @@ def test_check_invariants_detects_corruption(corrupt) -> None:
     corrupt(cache, seq)
     with pytest.raises(InvariantError):
         cache.check_invariants()
+
+
+@pytest.mark.parametrize("page_size", [1, 3])
+@pytest.mark.parametrize("num_pages", [63, 64, 65, 128, 200])
+def test_long_chains_get_the_chained_keys(page_size: int, num_pages: int) -> None:
+    # Long chains are hashed in chunks of pages: every page's key, across and after the chunk
+    # boundaries, is still the plain chain, and a later commit extends it from its parent.
+    cache = PrefixCache(num_pages=1024, page_size=page_size)
+    prompt = [(7 * i) % 1000 for i in range(num_pages * page_size)]
+    seq = run_prompt(cache, prompt, close=False)
+    keys = chain_keys(prompt, page_size)
+    assert len(keys) == num_pages
+    assert cache.drain_events() == [BlockStored(keys, None, prompt, page_size)]
+    tail = list(range(2000, 2000 + 70 * page_size))
+    cache.allocate(seq, len(tail))
+    cache.commit(seq, tail)
+    more = chain_keys(prompt + tail, page_size)[num_pages:]
+    assert cache.drain_events() == [BlockStored(more, keys[-1], tail, page_size)]
+    cache.close(seq)
+    cache.check_invariants()

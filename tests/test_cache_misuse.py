@@ -225,8 +225,8 @@ def test_reset_invalidates_everything_and_says_so() -> None:
 
 def test_take_zero_pages_takes_nothing() -> None:
     pool = PagePool(4)
-    assert pool.take(0) == [] and pool.free == [3, 2, 1, 0]
-    assert pool.take(2) == [0, 1] and pool.free == [3, 2]
+    assert pool.take(0).tolist() == [] and pool.free.tolist() == [3, 2, 1, 0]
+    assert pool.take(2).tolist() == [0, 1] and pool.free.tolist() == [3, 2]
 
 
 def test_collision_pages_counts_pages() -> None:
