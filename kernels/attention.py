@@ -45,6 +45,56 @@ from prefix_cache.attention.kv_layout import KVCache, split_kv_cache
 
 
 @triton.jit
+def _kv_tile(
+    acc, m_i, l_i, q, start, kv_hi, tok, diag, kv_indices_ptr, page0, k_head, v_head,
+    stride_k_page, stride_k_slot, stride_v_page, stride_v_slot, qk_scale,
+    PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MASK: tl.constexpr,  # False: every KV position of the tile is < kv_hi and visible to every row
+):  # fmt: skip
+    """One KV tile of the online softmax: (acc, m, l) updated with KV tokens [start, start + BLOCK_N)."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    n_ok = offs_n < kv_hi
+    # Token n of the segment lives in page kv_indices[page0 + n // PAGE_SIZE], slot n % PAGE_SIZE.
+    if MASK:
+        page = tl.load(kv_indices_ptr + page0 + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
+    else:
+        page = tl.load(kv_indices_ptr + page0 + offs_n // PAGE_SIZE).to(tl.int64)
+    slot = offs_n % PAGE_SIZE
+    k_ptrs = k_head + (page * stride_k_page + slot * stride_k_slot)[:, None] + offs_d[None, :]
+    v_ptrs = v_head + (page * stride_v_page + slot * stride_v_slot)[:, None] + offs_d[None, :]
+    if MASK:
+        kv_mask = n_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    elif HEAD_DIM != BLOCK_D:
+        d_mask = (offs_d < HEAD_DIM)[None, :]
+        k = tl.load(k_ptrs, mask=d_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=d_mask, other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    if MASK:
+        # Non-causal items carry a diagonal beyond every KV position (work.NO_MASK).
+        valid = n_ok[None, :] & (offs_n[None, :] <= (tok + diag)[:, None])
+        s = tl.where(valid, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # Rows that have seen no KV yet keep m = -inf; shifting them by 0 keeps p and alpha at 0.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _attention_kernel(
     q_ptr,  # [*, Hq, D]
     q_rows_ptr,  # [nq] int32/int64: row of q holding planned query token t
@@ -118,34 +168,21 @@ def _attention_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         k_head = k_ptr + kv_head.to(tl.int64) * stride_k_head
         v_head = v_ptr + kv_head.to(tl.int64) * stride_v_head
-        for start in range(kv0, kv_hi, BLOCK_N):
-            offs_n = start + tl.arange(0, BLOCK_N)
-            n_ok = offs_n < kv_hi
-            # Token n of the segment lives in page kv_indices[page0 + n // PAGE_SIZE], slot n % PAGE_SIZE.
-            page = tl.load(kv_indices_ptr + page0 + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
-            slot = offs_n % PAGE_SIZE
-            kv_mask = n_ok[:, None] & d_ok[None, :]
-            k_off = page * stride_k_page + slot * stride_k_slot
-            v_off = page * stride_v_page + slot * stride_v_slot
-            k = tl.load(k_head + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(v_head + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-            if UPCAST:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-            # Non-causal items carry a diagonal beyond every KV position (work.NO_MASK).
-            valid = n_ok[None, :] & (offs_n[None, :] <= (tok + diag)[:, None])
-            s = tl.where(valid, s, float("-inf"))
-
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            # Rows that have seen no KV yet keep m = -inf; shifting them by 0 keeps p and alpha at 0.
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
+        # KV tiles that every row of the tile sees whole (before kv_hi and at or below the first
+        # token's diagonal) run without masks; the rest (the diagonal, the ragged end) with them.
+        full_hi = kv0 + tl.maximum(tl.minimum(kv_hi, q0 + diag + 1) - kv0, 0) // BLOCK_N * BLOCK_N
+        for start in range(kv0, full_hi, BLOCK_N):
+            acc, m_i, l_i = _kv_tile(
+                acc, m_i, l_i, q, start, kv_hi, tok, diag, kv_indices_ptr, page0, k_head, v_head,
+                stride_k_page, stride_k_slot, stride_v_page, stride_v_slot, qk_scale,
+                PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, UPCAST, DOT_PRECISION, False,
+            )  # fmt: skip
+        for start in range(full_hi, kv_hi, BLOCK_N):
+            acc, m_i, l_i = _kv_tile(
+                acc, m_i, l_i, q, start, kv_hi, tok, diag, kv_indices_ptr, page0, k_head, v_head,
+                stride_k_page, stride_k_slot, stride_v_page, stride_v_slot, qk_scale,
+                PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, UPCAST, DOT_PRECISION, True,
+            )  # fmt: skip
 
         empty = l_i == 0.0
         out = acc / tl.where(empty, 1.0, l_i)[:, None]
