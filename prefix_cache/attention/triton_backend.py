@@ -41,6 +41,11 @@ from prefix_cache.kernels.work import (
 )
 
 
+# A fixed-capacity launch runs this many waves of the device's resident programs, which loop over
+# whatever (item, KV head) pairs the current plan wrote.
+PERSISTENT_WAVES = 4
+
+
 @dataclass(frozen=True)
 class GraphCapacity:
     """Fixed sizes of a backend whose ``run`` is captured in a CUDA graph and replayed across plans.
@@ -218,8 +223,7 @@ class TritonBackend(AttentionBackend):
         rows = level.max_rows_per_group * group
         if tiles is None:
             return tile_config(rows, group, self.head_dim, page_size)
-        narrow, wide = tiles
-        return narrow if rows <= narrow.block_m else wide
+        return next((tile for tile in tiles if rows <= tile.block_m), tiles[-1])
 
     def _schedule(self, plan, levels, tiles, kv_chunk_size, max_splits=MAX_SPLITS):
         """Work items of every level, by tile: ({tile: [work arrays]}, splits [levels, nq])."""
@@ -370,7 +374,7 @@ class TritonBackend(AttentionBackend):
             pairs = items * self.num_kv_heads
             # Exact plans: one program per (item, KV head). Fixed plans: a persistent grid sized to
             # the device, looping over whatever number of items the current plan wrote.
-            programs = pairs if exact else min(pairs, sms * tile.resident_per_sm() * 4)
+            programs = pairs if exact else min(pairs, sms * tile.resident_per_sm() * PERSISTENT_WAVES)
             if programs == 0:
                 continue
             work = ints[sec.work[i] : sec.work[i] + items * WORK_COLS].view(items, WORK_COLS)
