@@ -170,7 +170,12 @@ def _attention_kernel(
         v_head = v_ptr + kv_head.to(tl.int64) * stride_v_head
         # KV tiles that every row of the tile sees whole (before kv_hi and at or below the first
         # token's diagonal) run without masks; the rest (the diagonal, the ragged end) with them.
-        full_hi = kv0 + tl.maximum(tl.minimum(kv_hi, q0 + diag + 1) - kv0, 0) // BLOCK_N * BLOCK_N
+        # Only for tiles of many rows (prefill, shared levels: 6-14% less GPU time on the H200);
+        # decode tiles of 16 rows keep the one masked loop, which measured faster on long decodes
+        # (benchmarks/NOTES.md, attempt 8).
+        full_hi = kv0
+        if BLOCK_M > 16:
+            full_hi = kv0 + tl.maximum(tl.minimum(kv_hi, q0 + diag + 1) - kv0, 0) // BLOCK_N * BLOCK_N
         for start in range(kv0, full_hi, BLOCK_N):
             acc, m_i, l_i = _kv_tile(
                 acc, m_i, l_i, q, start, kv_hi, tok, diag, kv_indices_ptr, page0, k_head, v_head,

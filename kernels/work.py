@@ -62,11 +62,13 @@ def tile_config(max_rows: int, group_size: int, head_dim: int, page_size: int) -
     # Decode tiles (16 rows) over pages of 16+ tokens: two KV stages, not three, so more programs
     # stay resident per SM (an H200 sweep: 4-21% less GPU time on the unique levels of shared
     # batches, 4-7% more on a few small one-level batches; pages of 1 token lost 22% and keep three).
-    # benchmarks/NOTES.md, attempt 7.
-    stages = 2 if block_d > 128 or (block_m <= 16 and page_size >= 16) else 3
+    # Tiles of 128 rows read 128 KV tokens per step in two stages: 10-14% less GPU time on prefill
+    # and on the long shared prefix, the same elsewhere. benchmarks/NOTES.md, attempts 7 and 8.
+    wide = block_m >= 128
+    stages = 2 if block_d > 128 or wide or (block_m <= 16 and page_size >= 16) else 3
     return TileConfig(
         block_m=block_m,
-        block_n=64 if block_d <= 128 else 32,
+        block_n=(128 if wide else 64) if block_d <= 128 else 32,
         num_warps=8 if block_m >= 128 else 4,
         num_stages=stages,
     )

@@ -40,7 +40,6 @@ from prefix_cache.kernels.work import (
     tile_config,
 )
 
-
 # A fixed-capacity launch runs this many waves of the device's resident programs, which loop over
 # whatever (item, KV head) pairs the current plan wrote.
 PERSISTENT_WAVES = 4
