@@ -106,6 +106,8 @@ class PageStore:
         ):
             self.store_full_pages(seq, end)
             return
+        # Without extra keys the sequence holds only nodes without extra bytes (a walk without
+        # them matches no page that has some), so the run's ``extras`` stays None.
         page_size = self.page_size
         # At page size 1 the page is the token: its int32 bytes without a numpy round trip.
         data = token.to_bytes(4, "little") if page_size == 1 else seq._tokens[end - page_size : end].tobytes()
@@ -128,8 +130,6 @@ class PageStore:
         leaf.tokens += data
         leaf.pages.append(seq._pages_int[full - 1])
         leaf.keys.append(key)
-        if leaf.extras is not None:
-            leaf.extras.append(b"")
         tree.num_pages += 1
         tree.version += 1
         seq._num_held = full
