@@ -106,8 +106,6 @@ class PageStore:
         ):
             self.store_full_pages(seq, end)
             return
-        # Without extra keys the sequence holds only nodes without extra bytes (a walk without
-        # them matches no page that has some), so the run's ``extras`` stays None.
         page_size = self.page_size
         # At page size 1 the page is the token: its int32 bytes without a numpy round trip.
         data = token.to_bytes(4, "little") if page_size == 1 else seq._tokens[end - page_size : end].tobytes()
@@ -118,20 +116,13 @@ class PageStore:
             check_key(key)
         full = end // page_size
         seq._num_full_pages = full
-        index = seq._root.index
-        # One set operation: adding a key the index holds changes nothing.
-        size = len(index)
-        index.add(key)
-        if len(index) == size:
+        # Without extra keys the sequence holds only nodes without extra bytes (a walk without
+        # them matches no page that has some), as ``append_page`` requires.
+        if not tree.append_page(leaf, data, seq._pages_int[full - 1], key):
             # A hash collision: the page and all later ones stay private.
             seq._broken = True
             self.collision_pages += 1
             return
-        leaf.tokens += data
-        leaf.pages.append(seq._pages_int[full - 1])
-        leaf.keys.append(key)
-        tree.num_pages += 1
-        tree.version += 1
         seq._num_held = full
         self.stored_pages += 1
         events = self.events
