@@ -192,16 +192,16 @@ class BlockTree:
                 return i
         return count
 
-    def hold(self, walk: Walk, table: memoryview | None, offset: int) -> Node:
+    def hold(self, walk: Walk, table: memoryview | None) -> Node:
         """Take one reference on each node of ``walk`` (not empty) for a live sequence,
         splitting the last one first when the prefix ends inside its run, and write their page
-        ids to ``table[offset : offset + walk.pages]`` (a block table as C ints, see
-        ``Sequence._pages_int``) unless ``table`` is None. Returns the deepest node held."""
+        ids to ``table[: walk.pages]`` (a block table as C ints, see ``Sequence._pages_int``)
+        unless ``table`` is None. Returns the deepest node held."""
         nodes = walk.nodes
         if walk.partial:
             nodes = [*nodes[:-1], self.split(nodes[-1], walk.partial)]
         newly = 0
-        pos = offset
+        pos = 0
         for node in nodes:
             ref = node.ref
             pages = node.pages

@@ -568,7 +568,7 @@ class PrefixCache:
         seq._node = root
         num_cached = 0
         if walk.pages:
-            seq._node = self._tree.hold(walk, seq._pages_int, 0)
+            seq._node = self._tree.hold(walk, seq._pages_int)
             seq._num_held = seq._num_full_pages = seq._num_pages = walk.pages
             num_cached = walk.pages * self._page_size
             seq._capacity = num_cached

@@ -172,7 +172,7 @@ class PageStore:
         seq._num_full_pages = full
         if twins:
             # The block table keeps the sequence's own copies, private until close.
-            seq._node = after = tree.hold(walk, None, 0)
+            seq._node = after = tree.hold(walk, None)
             seq._dups = [*seq._dups, *seq._pages[first : first + twins].tolist()]
             seq._num_held = first + twins
             self.duplicate_pages += twins
