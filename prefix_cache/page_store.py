@@ -150,7 +150,7 @@ class PageStore:
         data = seq._tokens[first * page_size : full * page_size].tobytes()
         seq_extras = seq._extras
         count = full - first
-        page_bytes = 4 * page_size
+        page_bytes = tree.page_bytes
         # Extra identity bytes of each page (prompt pages only), None when no page has any.
         extras = None
         if seq_extras and any(first + i in seq_extras for i in range(count)):
