@@ -86,10 +86,10 @@ class PrefixCache:
     ) -> None:
         self._num_pages = check_int("num_pages", num_pages, 1, MAX_NUM_PAGES)
         self._page_size = check_int("page_size", page_size, 1, MAX_PAGE_SIZE)
-        self._max_events = check_int("max_events", max_events, 1)
+        max_events = check_int("max_events", max_events, 1)
         if hash_fn is not None:
             check_hash_fn(hash_fn, self._page_size)
-        self._events = EventLog(self._max_events) if record_events else None
+        self._events = EventLog(max_events) if record_events else None
         self._store = PageStore(
             PagePool(self._num_pages),
             BlockTree(default_hash_fn if hash_fn is None else hash_fn, self._page_size),
