@@ -600,7 +600,7 @@ class PrefixCache:
         return walk
 
     def _store_locked(self, seq: Sequence, end: int) -> None:
-        """``_store_full_pages`` under the lock."""
+        """``PageStore.store_full_pages`` under the lock: ``commit``'s path for several tokens."""
         if not self._lock.acquire(False):
             self._concurrent()
         try:

@@ -92,9 +92,10 @@ class PageStore:
         return page
 
     def store_page(self, seq: Sequence, end: int, token: int) -> None:
-        """``_store_full_pages`` for the one page that ``token``, at ``end - 1``, filled (the
+        """``store_full_pages`` for the one page that ``token``, at ``end - 1``, filled (the
         decode path), in its common case written out: the page goes at the end of the sequence's
-        own leaf run, which only it holds. Anything else takes the general path."""
+        own leaf run, which only it holds (``BlockTree.append_page``). Anything else takes
+        ``store_full_pages``."""
         leaf = seq._node
         if (
             leaf.ref != 1

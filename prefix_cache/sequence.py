@@ -90,8 +90,10 @@ class Sequence:
         # Tokens the allocated pages can hold: ``_num_pages * page_size``.
         self._capacity = 0
         self._num_cached_tokens = 0
-        # The deepest tree node it holds (its root when none): it holds that node and every node
-        # above it, whole, and those runs are its first ``_num_held`` pages.
+        # The deepest tree node it holds, its namespace's root while it holds none (None until
+        # ``open`` and after ``close``): it holds that node and every node above it, whole, and
+        # those runs are its first ``_num_held`` pages (where it has its own copy of a page, a
+        # duplicate, the block table has the copy).
         self._node: Node | None = root
         self._num_held = 0
         # Private pages among the first ``_num_held``: this sequence's copies of blocks another
