@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from examples.engine import LLAMA_1B, EngineConfig, LlamaModel, LLMEngine, SamplingParams, SchedulerConfig
-from examples.engine.cuda_graphs import bucket_sizes
+from examples.engine.cuda_graphs import bucket_sizes, fits
 from prefix_cache import CascadePlanner
+from prefix_cache.attention.triton_backend import GraphCapacity
 
 # Small thresholds so that these small batches get shared levels.
 PLANNER = CascadePlanner(min_shared_tokens=32, min_saved_tokens=32)
@@ -21,6 +22,17 @@ def test_bucket_sizes_are_powers_of_two_up_to_the_largest_batch():
     assert bucket_sizes(1) == [1]
     assert bucket_sizes(6) == [1, 2, 4, 6]
     assert bucket_sizes(8) == [1, 2, 4, 8]
+
+
+def test_fits_checks_query_tokens_levels_and_pages():
+    # Two decodes over 40 tokens sharing their first 32 (2 pages of 16): a shared level of 2 page
+    # ids, then 1 page id each.
+    plan = PLANNER.plan([[0, 1, 2], [0, 1, 3]], [40, 40], [1, 1], 16)
+    assert len(plan.levels) == 2 and sum(len(level.kv_indices) for level in plan.levels) == 4
+    assert fits(plan, GraphCapacity(max_query_tokens=2, max_pages=4, max_levels=2))
+    assert not fits(plan, GraphCapacity(max_query_tokens=2, max_pages=3, max_levels=2))
+    assert not fits(plan, GraphCapacity(max_query_tokens=1, max_pages=4, max_levels=2))
+    assert not fits(plan, GraphCapacity(max_query_tokens=2, max_pages=4, max_levels=1))
 
 
 def test_graph_capacity_per_sequence_must_be_positive():

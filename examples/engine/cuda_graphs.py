@@ -13,9 +13,10 @@ in the plan (the backend leaves their attention rows alone) and are not among th
 linear layers are row-wise, so whatever the padding rows hold never reaches a real row.
 
 A bucket's first use runs the forward eagerly through its static buffers (compiling the kernels
-for that shape; its logits are that step's result) and then captures the graph. A plan that does
-not fit the bucket's capacity (more page ids than ``max_pages``) is refused with ``None`` and the
-engine runs that step eagerly.
+for that shape; its logits are that step's result) and then captures the graph. A plan over the
+bucket's capacity (more query tokens, levels or page ids than it holds, checked before planning)
+is refused with ``None`` and the engine runs that step eagerly; any other error of ``plan``
+propagates.
 """
 
 from __future__ import annotations
@@ -31,6 +32,17 @@ from .model import LlamaModel
 
 #: A padding token's (token id, position, KV slot, row to sample), the columns of ``_Bucket.host``.
 PADDING = np.array([[0], [0], [-1], [0]], dtype=np.int64)
+
+
+def fits(plan: CascadePlan, capacity: GraphCapacity) -> bool:
+    """Whether ``plan``'s query tokens, levels and page ids (over all levels) are within
+    ``capacity``: a fixed-capacity backend plans exactly those (it takes fewer, longer KV splits
+    when its split buffers are short)."""
+    return (
+        plan.num_query_tokens <= capacity.max_query_tokens
+        and len(plan.levels) <= capacity.max_levels
+        and sum(len(level.kv_indices) for level in plan.levels) <= capacity.max_pages
+    )
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -117,17 +129,16 @@ class DecodeGraphs:
         if size is None:
             return None
         b = self._get(size)
-        c = self.model.config
-        try:
-            b.backend.plan(
-                plan,
-                num_qo_heads=c.num_qo_heads,
-                num_kv_heads=c.num_kv_heads,
-                head_dim=c.head_dim,
-                q_dtype=self.model.dtype,
-            )
-        except ValueError:  # over the bucket's capacity: the backend keeps serving plans that fit
+        if not fits(plan, b.backend.capacity):
             return None
+        c = self.model.config
+        b.backend.plan(
+            plan,
+            num_qo_heads=c.num_qo_heads,
+            num_kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            q_dtype=self.model.dtype,
+        )
         n = len(tokens)
         b.host[:] = PADDING  # token 0 at position 0, no KV slot, row 0 (never read)
         b.host[0, :n], b.host[1, :n], b.host[2, :n] = tokens, positions, slots
