@@ -7,11 +7,12 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from prefix_cache.kernels.work import MAX_SPLITS
 
 from examples.engine import LLAMA_1B, EngineConfig, LlamaModel, LLMEngine, SamplingParams, SchedulerConfig
-from examples.engine.cuda_graphs import bucket_sizes, fits
+from examples.engine.cuda_graphs import bucket_capacity, bucket_sizes, fits
 from prefix_cache import CascadePlanner
-from prefix_cache.attention.triton_backend import GraphCapacity
+from prefix_cache.attention.triton_backend import GraphCapacity, TritonBackend
 
 # Small thresholds so that these small batches get shared levels.
 PLANNER = CascadePlanner(min_shared_tokens=32, min_saved_tokens=32)
@@ -33,6 +34,27 @@ def test_fits_checks_query_tokens_levels_and_pages():
     assert not fits(plan, GraphCapacity(max_query_tokens=2, max_pages=3, max_levels=2))
     assert not fits(plan, GraphCapacity(max_query_tokens=1, max_pages=4, max_levels=2))
     assert not fits(plan, GraphCapacity(max_query_tokens=2, max_pages=4, max_levels=1))
+
+
+def test_bucket_split_buffers_grow_with_the_bucket():
+    small = bucket_capacity(1, 4, 100)
+    assert (small.max_query_tokens, small.max_levels, small.max_pages) == (1, 4, 100)
+    assert small.partial_rows == small.work_items == 4 * MAX_SPLITS
+    # Large buckets keep GraphCapacity's defaults, which are smaller than a split per token maximum.
+    large = bucket_capacity(64, 4, 100)
+    default = GraphCapacity(max_query_tokens=64, max_pages=6400, max_levels=4)
+    assert (large.partial_rows, large.work_items) == (default.partial_rows, default.work_items)
+
+
+def test_one_decode_over_a_long_context_keeps_every_split_in_the_smallest_bucket():
+    """The 1-decode bucket's backend plans as many KV splits as an unlimited one: MAX_SPLITS."""
+    page_size, pages = 16, 256
+    plan = PLANNER.plan([list(range(pages))], [pages * page_size], [1], page_size)
+    capacity = bucket_capacity(1, PLANNER.max_levels, pages)
+    # KV chunks of 16 tokens: 256 of them, more than MAX_SPLITS, so the split count is capped there.
+    backend = TritonBackend("cpu", kv_chunk_size=16, capacity=capacity)
+    backend.plan(plan, num_qo_heads=4, num_kv_heads=1, head_dim=16)
+    assert backend._counts[:1].tolist() == [MAX_SPLITS]
 
 
 def test_graph_capacity_per_sequence_must_be_positive():
