@@ -38,6 +38,12 @@ from .model import LlamaModel
 PADDING = np.array([[0], [0], [-1], [0]], dtype=np.int64)
 
 
+def graphs_apply(backend: str, device: torch.device) -> bool:
+    """Whether decode steps can replay from CUDA graphs for an engine on ``device`` with attention
+    backend ``backend``: on CUDA with the Triton route ("auto" or "triton") only."""
+    return device.type == "cuda" and backend in ("auto", "triton")
+
+
 def fits(plan: CascadePlan, capacity: GraphCapacity) -> bool:
     """Whether ``plan``'s query tokens, levels and page ids (over all levels) are within
     ``capacity``: a fixed-capacity backend plans exactly those (it takes fewer, longer KV splits

@@ -23,7 +23,7 @@ import torch
 from prefix_cache import CascadePlan, CascadePlanner, PrefixCache
 from prefix_cache.attention import create_backend
 
-from .cuda_graphs import DecodeGraphs
+from .cuda_graphs import DecodeGraphs, graphs_apply
 from .model import LlamaModel
 from .request import Request, Sample, SamplingParams, Status
 from .sampling import sample_tokens
@@ -85,7 +85,7 @@ class LLMEngine:
         self.planner = planner
         self.backend = create_backend(config.backend, device=model.device)
         self.graphs: DecodeGraphs | None = None
-        if config.cuda_graphs and model.device.type == "cuda" and config.backend in ("auto", "triton"):
+        if config.cuda_graphs and graphs_apply(config.backend, model.device):
             self.graphs = DecodeGraphs(
                 model,
                 self.kv_pool,
