@@ -10,7 +10,7 @@ import torch
 from prefix_cache.kernels.work import MAX_SPLITS
 
 from examples.engine import LLAMA_1B, EngineConfig, LlamaModel, LLMEngine, SamplingParams, SchedulerConfig
-from examples.engine.cuda_graphs import bucket_capacity, bucket_sizes, fits
+from examples.engine.cuda_graphs import DecodeGraphs, bucket_capacity, bucket_sizes, fits
 from prefix_cache import CascadePlanner
 from prefix_cache.attention.triton_backend import GraphCapacity, TritonBackend
 
@@ -111,7 +111,7 @@ def assert_same_outputs(got: list[np.ndarray], expected: list[np.ndarray]) -> No
 
 @pytest.mark.gpu
 @cuda
-def test_cuda_graph_decode_gives_the_eager_tokens_across_buckets(model):
+def test_cuda_graph_decode_gives_the_eager_tokens_across_buckets(model, monkeypatch):
     """Two turns of conversations sharing a system prompt, parallel samples, replies of different
     lengths: the decode batch shrinks 6 -> 4 -> 3 -> 2 -> 1 and crosses every bucket (1, 2, 4, 6); the
     second turn, over the first turn's cached prompts, replays the graphs captured in the first."""
@@ -130,11 +130,23 @@ def test_cuda_graph_decode_gives_the_eager_tokens_across_buckets(model):
         for i, (p, _) in enumerate(first)
     ]
     expected, eager, _ = generate(model, [first, second], graphs=False)
+    # The levels of each plan a graph step ran (captured or replayed).
+    graph_levels = []
+    run = DecodeGraphs.run
+
+    def recording_run(self, plan, *args):
+        logits = run(self, plan, *args)
+        if logits is not None:
+            graph_levels.append(len(plan.levels))
+        return logits
+
+    monkeypatch.setattr(DecodeGraphs, "run", recording_run)
     got, eng, graph_steps = generate(model, [first, second], graphs=True)
     assert eager.graphs is None and eager.stats.graph_steps == 0
     assert_same_outputs(got, expected)
     assert eng.graphs.captured == [1, 2, 4, 6]
-    assert eng.stats.shared_levels > 0
+    assert len(graph_levels) == eng.stats.graph_steps
+    assert max(graph_levels) > 1  # graph steps ran shared levels (the system prompt's), not only prefills
     assert graph_steps[1] - graph_steps[0] > 4  # the second turn replays captured graphs
 
 
