@@ -48,10 +48,11 @@ def test_bucket_split_buffers_grow_with_the_bucket():
 
 def test_one_decode_over_a_long_context_keeps_every_split_in_the_smallest_bucket():
     """The 1-decode bucket's backend plans as many KV splits as an unlimited one: MAX_SPLITS."""
-    page_size, pages = 16, 256
+    page_size, pages = 16, 1024
     plan = PLANNER.plan([list(range(pages))], [pages * page_size], [1], page_size)
     capacity = bucket_capacity(1, PLANNER.max_levels, pages)
-    # KV chunks of 16 tokens: 256 of them, more than MAX_SPLITS, so the split count is capped there.
+    # KV chunks of one KV tile (16 to 128 tokens): 128 or more of them, more than MAX_SPLITS, so
+    # the split count is capped there.
     backend = TritonBackend("cpu", kv_chunk_size=16, capacity=capacity)
     backend.plan(plan, num_qo_heads=4, num_kv_heads=1, head_dim=16)
     assert backend._counts[:1].tolist() == [MAX_SPLITS]
