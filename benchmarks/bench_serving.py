@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from examples.engine import EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 from examples.engine.chat import ChatFormat
+from examples.engine.cuda_graphs import graphs_apply
 from examples.engine.loading import load_model
 from prefix_cache.replay.sharegpt import iter_records, message_pairs
 
@@ -466,7 +467,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--graphs",
         default="on",
-        help="comma-separated on / off: CUDA graphs for decode steps (CUDA with triton or auto only); "
+        help="comma-separated on / off: CUDA graphs for decode steps (CUDA with triton or auto only: "
+        "elsewhere 'on' would repeat 'off', so each configuration runs once, eagerly); "
         "'on,off' runs each configuration both ways, one after the other",
     )
     ap.add_argument("--conversations", type=int, default=12)
@@ -550,8 +552,17 @@ def main(argv: list[str] | None = None) -> int:
 
     results = []
     for backend in args.backends.split(","):
+        modes = graph_modes
+        if "on" in modes and not graphs_apply(backend, torch.device(args.device)):
+            # The engine would run 'on' eagerly: the same measurement as 'off'.
+            print(
+                f"--graphs on: no CUDA graphs with backend {backend} on {args.device} (CUDA with triton "
+                "or auto only): its configurations run once, eagerly",
+                flush=True,
+            )
+            modes = ["off"]
         for name in configs:
-            for mode in graph_modes:
+            for mode in modes:
                 results.append(
                     run_config(model, chat, system, conversations, warm, args, backend, name, mode)
                 )

@@ -65,8 +65,9 @@ _HEAP_SLACK = 1024
 class BlockTree:
     """Cached pages of all namespaces, with reference counts and the LRU of evictable leaves.
 
-    The tree never allocates or frees pages itself: ``add`` and ``extend`` take pages the caller
-    owns and ``evict`` hands the evicted pages back to the caller.
+    The tree never allocates or frees pages itself: ``add``, ``extend`` and ``append_page`` take
+    pages the caller owns and ``evict`` hands the evicted pages back to the caller. Its counters
+    (``num_pages``, ``num_unreferenced``, ``version``) change only in its own methods.
     """
 
     def __init__(self, hash_fn: HashFn, page_size: int) -> None:
@@ -191,16 +192,16 @@ class BlockTree:
                 return i
         return count
 
-    def hold(self, walk: Walk, table: memoryview | None, offset: int) -> Node:
+    def hold(self, walk: Walk, table: memoryview | None) -> Node:
         """Take one reference on each node of ``walk`` (not empty) for a live sequence,
         splitting the last one first when the prefix ends inside its run, and write their page
-        ids to ``table[offset : offset + walk.pages]`` (a block table as C ints, see
-        ``Sequence._pages_int``) unless ``table`` is None. Returns the deepest node held."""
+        ids to ``table[: walk.pages]`` (a block table as C ints, see ``Sequence._pages_int``)
+        unless ``table`` is None. Returns the deepest node held."""
         nodes = walk.nodes
         if walk.partial:
             nodes = [*nodes[:-1], self.split(nodes[-1], walk.partial)]
         newly = 0
-        pos = offset
+        pos = 0
         for node in nodes:
             ref = node.ref
             pages = node.pages
@@ -381,6 +382,27 @@ class BlockTree:
             leaf.extras = [b""] * (len(leaf.pages) - len(keys)) + extras
         self.num_pages += len(keys)
         self.version += 1
+
+    def append_page(self, leaf: Node, data: bytes, page: int, key: int) -> bool:
+        """``claim_keys`` and ``extend`` for one page (token bytes ``data``, page id ``page``, key
+        ``key`` from ``page_keys``): the decode loop's case. Returns False, changing nothing, when
+        ``key`` is already taken in the namespace (a hash collision: the page is not cached).
+
+        leaf: a leaf that only the caller's sequence holds (``ref == 1``), not a root, without
+            extra identity bytes (``extras is None``); the page gets none either.
+        """
+        index = leaf.root.index
+        # One set operation: adding a key the index holds changes nothing.
+        size = len(index)
+        index.add(key)
+        if len(index) == size:
+            return False
+        leaf.tokens += data
+        leaf.pages.append(page)
+        leaf.keys.append(key)
+        self.num_pages += 1
+        self.version += 1
+        return True
 
     # ------------------------------------------------------------------ eviction
 

@@ -86,10 +86,10 @@ class PrefixCache:
     ) -> None:
         self._num_pages = check_int("num_pages", num_pages, 1, MAX_NUM_PAGES)
         self._page_size = check_int("page_size", page_size, 1, MAX_PAGE_SIZE)
-        self._max_events = check_int("max_events", max_events, 1)
+        max_events = check_int("max_events", max_events, 1)
         if hash_fn is not None:
             check_hash_fn(hash_fn, self._page_size)
-        self._events = EventLog(self._max_events) if record_events else None
+        self._events = EventLog(max_events) if record_events else None
         self._store = PageStore(
             PagePool(self._num_pages),
             BlockTree(default_hash_fn if hash_fn is None else hash_fn, self._page_size),
@@ -176,10 +176,7 @@ class PrefixCache:
         if not self._lock.acquire(False):
             self._concurrent()
         try:
-            root = self._tree.roots.get(namespace)
-            if root is None:
-                return 0
-            return self._walk(root, arr, extras).pages * self._page_size
+            return self._prefix_walk(arr, namespace, extras).pages * self._page_size
         finally:
             self._lock.release()
 
@@ -205,7 +202,7 @@ class PrefixCache:
         if not self._lock.acquire(False):
             self._concurrent()
         try:
-            self._open(seq, arr, namespace, extras)
+            self._open(seq, arr, namespace, extras, self._prefix_walk(arr, namespace, extras))
             return seq
         finally:
             self._lock.release()
@@ -232,22 +229,19 @@ class PrefixCache:
         if not self._lock.acquire(False):
             self._concurrent()
         try:
-            tree = self._tree
-            root = tree.roots.get(namespace)
-            walk = self._walk(root, arr, extras) if root is not None else None
-            matched = walk.pages if walk is not None else 0
-            needed = -(-(len(arr) + extra_tokens) // self._page_size) - matched
+            walk = self._prefix_walk(arr, namespace, extras)
+            needed = -(-(len(arr) + extra_tokens) // self._page_size) - walk.pages
             # Pages of the matched runs nobody holds: admitting locks them.
             locked = 0
-            if walk is not None and walk.nodes:
-                nodes = walk.nodes
+            nodes = walk.nodes
+            if nodes:
                 locked = sum(len(node.pages) for node in nodes[:-1] if not node.ref)
                 if not nodes[-1].ref:
                     locked += walk.partial or len(nodes[-1].pages)
-            available = len(self._pool.free) + tree.num_unreferenced - locked
+            available = len(self._pool.free) + self._tree.num_unreferenced - locked
             if needed > available:
                 raise OutOfPages(needed, available)
-            self._open(seq, arr, namespace, extras)
+            self._open(seq, arr, namespace, extras, walk)
             self._store.allocate(seq, len(arr) + extra_tokens)
             return seq
         finally:
@@ -550,8 +544,11 @@ class PrefixCache:
         capacity = -(-(len(arr) + extra_tokens) // page_size) + _DECODE_HEADROOM_PAGES
         return Sequence(self, self._next_seq_id, namespace, None, capacity, page_size)
 
-    def _open(self, seq: Sequence, arr: np.ndarray, namespace: Namespace, extras: dict[int, bytes]) -> None:
-        """The work of ``open`` on a new sequence, under the lock."""
+    def _open(
+        self, seq: Sequence, arr: np.ndarray, namespace: Namespace, extras: dict[int, bytes], walk: Walk
+    ) -> None:
+        """The work of ``open`` on a new sequence, under the lock; ``walk`` is the prompt's
+        ``_prefix_walk``, taken under the same lock."""
         live = self._live
         live.add(seq)
         try:
@@ -564,11 +561,10 @@ class PrefixCache:
         if extras:
             seq._extras = extras
         root.ref += 1
-        walk = self._walk(root, arr, extras)
         seq._node = root
         num_cached = 0
         if walk.pages:
-            seq._node = self._tree.hold(walk, seq._pages_int, 0)
+            seq._node = self._tree.hold(walk, seq._pages_int)
             seq._num_held = seq._num_full_pages = seq._num_pages = walk.pages
             num_cached = walk.pages * self._page_size
             seq._capacity = num_cached
@@ -577,6 +573,11 @@ class PrefixCache:
         self._opened += 1
         self._query_tokens += len(arr)
         self._hit_tokens += num_cached
+
+    def _prefix_walk(self, arr: np.ndarray, namespace: Namespace, extras: dict[int, bytes]) -> Walk:
+        """``_walk`` from ``namespace``'s root, ``NO_WALK`` when the namespace has none."""
+        root = self._tree.roots.get(namespace)
+        return NO_WALK if root is None else self._walk(root, arr, extras)
 
     def _walk(self, root: Root, arr: np.ndarray, extras: dict[int, bytes]) -> Walk:
         """The longest cached prefix of ``arr`` (with the pages' ``extras``) under ``root``,
@@ -599,7 +600,7 @@ class PrefixCache:
         return walk
 
     def _store_locked(self, seq: Sequence, end: int) -> None:
-        """``_store_full_pages`` under the lock."""
+        """``PageStore.store_full_pages`` under the lock: ``commit``'s path for several tokens."""
         if not self._lock.acquire(False):
             self._concurrent()
         try:

@@ -92,9 +92,10 @@ class PageStore:
         return page
 
     def store_page(self, seq: Sequence, end: int, token: int) -> None:
-        """``_store_full_pages`` for the one page that ``token``, at ``end - 1``, filled (the
+        """``store_full_pages`` for the one page that ``token``, at ``end - 1``, filled (the
         decode path), in its common case written out: the page goes at the end of the sequence's
-        own leaf run, which only it holds. Anything else takes the general path."""
+        own leaf run, which only it holds (``BlockTree.append_page``). Anything else takes
+        ``store_full_pages``."""
         leaf = seq._node
         if (
             leaf.ref != 1
@@ -116,22 +117,13 @@ class PageStore:
             check_key(key)
         full = end // page_size
         seq._num_full_pages = full
-        index = seq._root.index
-        # One set operation: adding a key the index holds changes nothing.
-        size = len(index)
-        index.add(key)
-        if len(index) == size:
+        # Without extra keys the sequence holds only nodes without extra bytes (a walk without
+        # them matches no page that has some), as ``append_page`` requires.
+        if not tree.append_page(leaf, data, seq._pages_int[full - 1], key):
             # A hash collision: the page and all later ones stay private.
             seq._broken = True
             self.collision_pages += 1
             return
-        leaf.tokens += data
-        leaf.pages.append(seq._pages_int[full - 1])
-        leaf.keys.append(key)
-        if leaf.extras is not None:
-            leaf.extras.append(b"")
-        tree.num_pages += 1
-        tree.version += 1
         seq._num_held = full
         self.stored_pages += 1
         events = self.events
@@ -159,7 +151,7 @@ class PageStore:
         data = seq._tokens[first * page_size : full * page_size].tobytes()
         seq_extras = seq._extras
         count = full - first
-        page_bytes = 4 * page_size
+        page_bytes = tree.page_bytes
         # Extra identity bytes of each page (prompt pages only), None when no page has any.
         extras = None
         if seq_extras and any(first + i in seq_extras for i in range(count)):
@@ -181,7 +173,7 @@ class PageStore:
         seq._num_full_pages = full
         if twins:
             # The block table keeps the sequence's own copies, private until close.
-            seq._node = after = tree.hold(walk, None, 0)
+            seq._node = after = tree.hold(walk, None)
             seq._dups = [*seq._dups, *seq._pages[first : first + twins].tolist()]
             seq._num_held = first + twins
             self.duplicate_pages += twins

@@ -75,12 +75,8 @@ class Sequence:
         # The same buffers as C ints, the format of the tree's ``array('i')`` runs: a run copies
         # into them in one memcpy, without numpy's conversion of the source (0.5 µs per run),
         # and one token or page id is read or written in half the time of a numpy index.
-        if _INT32_IS_C_INT:
-            self._tokens_int = memoryview(self._tokens)
-            self._pages_int = memoryview(self._pages)
-        else:
-            self._tokens_int = int_view(self._tokens)
-            self._pages_int = int_view(self._pages)
+        self._tokens_int = int_view(self._tokens)
+        self._pages_int = int_view(self._pages)
         # Read-only views of the buffers that ``tokens`` and ``block_table`` slice, made on first use.
         self._tokens_view: np.ndarray | None = None
         self._pages_view: np.ndarray | None = None
@@ -90,8 +86,10 @@ class Sequence:
         # Tokens the allocated pages can hold: ``_num_pages * page_size``.
         self._capacity = 0
         self._num_cached_tokens = 0
-        # The deepest tree node it holds (its root when none): it holds that node and every node
-        # above it, whole, and those runs are its first ``_num_held`` pages.
+        # The deepest tree node it holds, its namespace's root while it holds none (None until
+        # ``open`` and after ``close``): it holds that node and every node above it, whole, and
+        # those runs are its first ``_num_held`` pages (where it has its own copy of a page, a
+        # duplicate, the block table has the copy).
         self._node: Node | None = root
         self._num_held = 0
         # Private pages among the first ``_num_held``: this sequence's copies of blocks another
@@ -195,15 +193,15 @@ class Sequence:
         )
 
 
-def int_view(buffer: np.ndarray) -> memoryview:
+def _cast_int_view(buffer: np.ndarray) -> memoryview:
     """A writeable memoryview of the int32 array ``buffer`` in the format of ``array('i')``."""
-    view = memoryview(buffer)
-    return view if view.format == "i" else view.cast("B").cast("i")
+    return memoryview(buffer).cast("B").cast("i")
 
 
-# numpy names int32 "i" where C int is 32 bits wide (and may name it "l" where long is too):
-# then a plain memoryview is already in the format of ``array('i')``.
-_INT32_IS_C_INT = memoryview(np.empty(0, dtype=np.int32)).format == "i"
+#: A writeable memoryview of an int32 array in the format of ``array('i')``. numpy names int32
+#: "i" where C int is 32 bits wide (and may name it "l" where long is too): there a plain
+#: memoryview already is one, made without a Python call (decided once, at import).
+int_view = memoryview if memoryview(np.empty(0, dtype=np.int32)).format == "i" else _cast_int_view
 
 
 def _read_only(buffer: np.ndarray) -> np.ndarray:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from array import array
+
 import numpy as np
 import pytest
 import torch
@@ -10,6 +12,7 @@ from xxhash import xxh3_64_intdigest
 
 from prefix_cache.cache import InvariantError, OutOfPages, PrefixCache, PrefixCacheError
 from prefix_cache.events import AllBlocksCleared, BlockRemoved, BlockStored
+from prefix_cache.sequence import _cast_int_view
 from prefix_cache.stats import CacheStats
 
 
@@ -616,6 +619,17 @@ def test_block_table_grows_by_doubling_and_keeps_pages() -> None:
     assert seq.tokens.tolist() == [step % 5 for step in range(300)]
     assert len(buffers) <= 7  # doubling from 9 pages: a handful of buffers for 300 pages
     cache.check_invariants()
+
+
+def test_cast_int_view_writes_through_as_c_int() -> None:
+    # The view platforms whose numpy names int32 "l" get (here numpy names it "i"): writes and
+    # array('i') copies go straight into the int32 buffer.
+    buffer = np.zeros(4, dtype=np.int32)
+    view = _cast_int_view(buffer)
+    assert view.format == "i" and view.itemsize == 4 and len(view) == 4
+    view[1:3] = array("i", [7, -2])
+    view[3] = 2**31 - 1
+    assert buffer.tolist() == [0, 7, -2, 2**31 - 1]
 
 
 def test_accounting_partition() -> None:

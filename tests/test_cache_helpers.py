@@ -94,7 +94,9 @@ def held_pages(seq: Sequence) -> list[int]:
 
 
 def child_keys(node: Node) -> list[tuple[bytes, tuple[int, ...]]] | None:
-    """A node's children as (first page identity, keys) pairs, None when it has none."""
+    """A node's children as (bytes, keys) pairs, None when it has none: an only child with its
+    whole run's token bytes, two or more each with its first page's identity bytes (its key in
+    ``children``)."""
     if node.child is not None:
         return [(bytes(node.child.tokens), tuple(node.child.keys))]
     if node.children is None:

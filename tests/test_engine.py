@@ -170,6 +170,25 @@ def test_parallel_samples_share_the_prompt_and_seeded_sampling_repeats():
     assert len({a.tobytes() for a in first}) > 1  # different samples, different draws
 
 
+def test_eager_steps_plan_with_the_models_dtype():
+    """The dtype lets a backend finish planning in ``plan`` (and lets "auto" choose FlashInfer)."""
+    config = dataclasses.replace(
+        LLAMA_1B, num_layers=1, hidden_size=64, intermediate_size=128, vocab_size=300, head_dim=16
+    )
+    model = LlamaModel.dummy(config, "cpu", torch.float32)
+    eng = LLMEngine(model, EngineConfig(num_pages=16, backend="torch"))
+    planned = []
+    plan = eng.backend.plan
+
+    def record(*args: object, **kwargs: object) -> None:
+        planned.append(kwargs.get("q_dtype"))
+        plan(*args, **kwargs)
+
+    eng.backend.plan = record
+    eng.generate([np.arange(40)], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert planned == [torch.float32] * eng.stats.steps and eng.stats.steps >= 3
+
+
 def test_stop_token_ends_a_reply_unless_ignore_eos():
     _, chat = smollm2()
     prompt = chat.render([{"role": "user", "content": "Say hi."}])

@@ -2,26 +2,31 @@
 
 A step whose batch is all single-token chunks (decodes) is padded to the smallest bucket that holds
 it (1, 2, 4, ... up to ``max_num_seqs``). Each bucket owns a Triton backend with a ``GraphCapacity``
-of that many query tokens, static input buffers (token ids, positions, KV slots, the rows to
-sample) and, after its first use, a graph of the model's whole forward over them. Per step: the
-step's plan goes into the bucket's backend (``plan`` only rewrites the contents of the backend's
-fixed buffers), the inputs are copied into the static buffers, the graph is replayed, and the
-logits of the sampled rows are read from the graph's static output.
+of that many query tokens (``bucket_capacity``: its KV-split buffers grow with the bucket), static
+input buffers (token ids, positions, KV slots, the rows to sample) and, after its first use, a
+graph of the model's whole forward over them. Per step: the step's plan goes into the bucket's
+backend (``plan`` only rewrites the contents of the backend's fixed buffers), the inputs are copied
+into the static buffers, the graph is replayed, and the logits of the sampled rows are read from
+the graph's static output.
 
 Padding tokens have slot -1 (the KV-append kernel skips them, so no real page is written), are not
 in the plan (the backend leaves their attention rows alone) and are not among the rows sampled; the
 linear layers are row-wise, so whatever the padding rows hold never reaches a real row.
 
 A bucket's first use runs the forward eagerly through its static buffers (compiling the kernels
-for that shape; its logits are that step's result) and then captures the graph. A plan that does
-not fit the bucket's capacity (more page ids than ``max_pages``) is refused with ``None`` and the
-engine runs that step eagerly.
+for that shape; its logits are that step's result) and then captures the graph. A plan over the
+bucket's capacity (more query tokens, levels or page ids than it holds, checked before planning)
+is refused with ``None`` and the engine runs that step eagerly; any other error of ``plan``
+propagates.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
+from prefix_cache.kernels.work import MAX_SPLITS
 
 from prefix_cache import CascadePlan
 from prefix_cache.attention import create_backend
@@ -31,6 +36,39 @@ from .model import LlamaModel
 
 #: A padding token's (token id, position, KV slot, row to sample), the columns of ``_Bucket.host``.
 PADDING = np.array([[0], [0], [-1], [0]], dtype=np.int64)
+
+
+def graphs_apply(backend: str, device: torch.device) -> bool:
+    """Whether decode steps can replay from CUDA graphs for an engine on ``device`` with attention
+    backend ``backend``: on CUDA with the Triton route ("auto" or "triton") only."""
+    return device.type == "cuda" and backend in ("auto", "triton")
+
+
+def fits(plan: CascadePlan, capacity: GraphCapacity) -> bool:
+    """Whether ``plan``'s query tokens, levels and page ids (over all levels) are within
+    ``capacity``: a fixed-capacity backend plans exactly those (it takes fewer, longer KV splits
+    when its split buffers are short)."""
+    return (
+        plan.num_query_tokens <= capacity.max_query_tokens
+        and len(plan.levels) <= capacity.max_levels
+        and sum(len(level.kv_indices) for level in plan.levels) <= capacity.max_pages
+    )
+
+
+def bucket_capacity(size: int, max_levels: int, max_pages_per_seq: int) -> GraphCapacity:
+    """The fixed sizes of the bucket of ``size`` decodes: ``size`` query tokens, ``max_levels``
+    levels, ``size * max_pages_per_seq`` page ids, and partial rows and work items for every KV
+    split a step can ask for (at most ``MAX_SPLITS`` per query token per level: one request over a
+    long context still splits fully), capped at ``GraphCapacity``'s defaults (room for 4096 split
+    rows, sized for large batches, which split less). A small bucket so holds small buffers: 1
+    decode over 4 levels, 256 partial rows, not 4100."""
+    capacity = GraphCapacity(max_query_tokens=size, max_pages=size * max_pages_per_seq, max_levels=max_levels)
+    splits = size * max_levels * MAX_SPLITS
+    return dataclasses.replace(
+        capacity,
+        max_work_items=min(capacity.work_items, splits),
+        max_partial_rows=min(capacity.partial_rows, splits),
+    )
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -93,9 +131,7 @@ class DecodeGraphs:
 
     def _get(self, size: int) -> _Bucket:
         if size not in self._buckets:
-            capacity = GraphCapacity(
-                max_query_tokens=size, max_pages=size * self.max_pages_per_seq, max_levels=self.max_levels
-            )
+            capacity = bucket_capacity(size, self.max_levels, self.max_pages_per_seq)
             self._buckets[size] = _Bucket(self.model, size, capacity)
         return self._buckets[size]
 
@@ -117,17 +153,16 @@ class DecodeGraphs:
         if size is None:
             return None
         b = self._get(size)
-        c = self.model.config
-        try:
-            b.backend.plan(
-                plan,
-                num_qo_heads=c.num_qo_heads,
-                num_kv_heads=c.num_kv_heads,
-                head_dim=c.head_dim,
-                q_dtype=self.model.dtype,
-            )
-        except ValueError:  # over the bucket's capacity: the backend keeps serving plans that fit
+        if not fits(plan, b.backend.capacity):
             return None
+        c = self.model.config
+        b.backend.plan(
+            plan,
+            num_qo_heads=c.num_qo_heads,
+            num_kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            q_dtype=self.model.dtype,
+        )
         n = len(tokens)
         b.host[:] = PADDING  # token 0 at position 0, no KV slot, row 0 (never read)
         b.host[0, :n], b.host[1, :n], b.host[2, :n] = tokens, positions, slots

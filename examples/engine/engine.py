@@ -23,7 +23,7 @@ import torch
 from prefix_cache import CascadePlan, CascadePlanner, PrefixCache
 from prefix_cache.attention import create_backend
 
-from .cuda_graphs import DecodeGraphs
+from .cuda_graphs import DecodeGraphs, graphs_apply
 from .model import LlamaModel
 from .request import Request, Sample, SamplingParams, Status
 from .sampling import sample_tokens
@@ -85,7 +85,7 @@ class LLMEngine:
         self.planner = planner
         self.backend = create_backend(config.backend, device=model.device)
         self.graphs: DecodeGraphs | None = None
-        if config.cuda_graphs and model.device.type == "cuda" and config.backend in ("auto", "triton"):
+        if config.cuda_graphs and graphs_apply(config.backend, model.device):
             self.graphs = DecodeGraphs(
                 model,
                 self.kv_pool,
@@ -178,8 +178,14 @@ class LLMEngine:
         rows: np.ndarray,
     ) -> torch.Tensor:
         cfg, device = self.model.config, self.model.device
+        # With the dtype the backend finishes planning here (Triton binds its launches, FlashInfer
+        # plans, "auto" may take the FlashInfer route) rather than in the first layer's run.
         self.backend.plan(
-            plan, num_qo_heads=cfg.num_qo_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim
+            plan,
+            num_qo_heads=cfg.num_qo_heads,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            q_dtype=self.model.dtype,
         )
 
         def to_device(a: np.ndarray) -> torch.Tensor:

@@ -143,7 +143,8 @@ class LlamaModel:
 
         tokens, positions, slots: int64 [T] on the model's device, in the engine's request order; a
             token's KV goes to page ``slot // page_size`` at offset ``slot % page_size`` (slot -1: not
-            stored, a padding token).
+            stored, a padding token of a CUDA-graph bucket; CUDA only, on the CPU every slot is a
+            real one).
         logit_rows: int64 [R], the rows of the batch whose next-token logits are wanted.
         Returns float32 logits [R, vocab].
         """
@@ -151,8 +152,8 @@ class LlamaModel:
         hq, hkv, hd = c.num_qo_heads, c.num_kv_heads, c.head_dim
         cos, sin = self._rope(positions)
         if not kv_pool[0].is_cuda:  # torch indexing writes the KV on the CPU
-            page_size, stored = kv_pool[0].shape[2], slots >= 0
-            pages, offsets = slots[stored] // page_size, slots[stored] % page_size
+            page_size = kv_pool[0].shape[2]
+            pages, offsets = slots // page_size, slots % page_size
         x = F.embedding(tokens, self.embed)
         for layer, kv in zip(self.layers, kv_pool, strict=True):
             h = self._rms_norm(x, layer["attn_norm"])
@@ -166,8 +167,8 @@ class LlamaModel:
 
                 append_kv(kv, k, v.contiguous(), slots)
             else:
-                kv[pages, 0, offsets] = k[stored]
-                kv[pages, 1, offsets] = v[stored]
+                kv[pages, 0, offsets] = k
+                kv[pages, 1, offsets] = v
             attn = backend.run(q.contiguous(), kv)
             x = x + F.linear(attn.reshape(-1, hq * hd), layer["wo"])
             h = self._rms_norm(x, layer["ffn_norm"])
