@@ -14,8 +14,10 @@ Python ints cost a conversion and a type check of every page id (about 20 ms).
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -33,8 +35,7 @@ def _packaged_cost_model() -> CostModel:
     return default_cost_model()
 
 
-@dataclass(frozen=True)
-class _Node:
+class _Node(NamedTuple):
     """A kept shared node: planned positions ``lo:hi`` read pages ``start:end`` of their tables."""
 
     level: int
@@ -104,35 +105,38 @@ class CascadePlanner:
         """
         kv, qo, pages, page_size = _validate(block_tables, kv_lens, qo_lens, page_size)
         batch = kv.shape[0]
+        active = qo > 0
         # Whole pages of KV computed before this step: the most a request can share.
-        shareable = np.where(qo > 0, (kv - qo) // page_size, 0)
+        shareable = np.where(active, (kv - qo) // page_size, 0)
 
-        order, lcp = _sort_and_lcp(pages, shareable, qo > 0)
+        order, lcp = _sort_and_lcp(pages, shareable, active)
         nodes = self._choose(_lcp_intervals(lcp), page_size)
 
         qo_planned = qo[order]
         qo_indptr = np.zeros(batch + 1, dtype=np.int64)
         np.cumsum(qo_planned, out=qo_indptr[1:])
+        qo_at = qo_indptr.tolist()
 
         shared_end = np.zeros(batch, dtype=np.int64)
         for node in nodes:  # pre-order: a deeper node overwrites its ancestors
             shared_end[node.lo : node.hi] = node.end
         if nodes and self._cost_model_decides():
-            flat = PlanFeatures(1, float(kv[qo > 0].sum()), float((qo * kv).sum()))
-            cascade = _cascade_features(nodes, qo_planned, qo_indptr, kv[order], shared_end, page_size)
+            flat = PlanFeatures(1, float(kv[active].sum()), float((qo * kv).sum()))
+            cascade = _cascade_features(nodes, qo_planned, qo_at, kv[order], shared_end, page_size)
             if self.cost_model.time_us(flat) <= self.cost_model.time_us(cascade):
                 nodes, shared_end = [], np.zeros(batch, dtype=np.int64)
         if not nodes:
             # One level: nothing to group, so keep the engine's order (requests without queries last,
             # holding no query tokens): query_order is then the identity and a backend needs no
             # permutation of q or the output.
-            order = np.concatenate([np.flatnonzero(qo > 0), np.flatnonzero(qo == 0)])
+            order = np.concatenate([np.flatnonzero(active), np.flatnonzero(~active)])
             qo_planned = qo[order]
             np.cumsum(qo_planned, out=qo_indptr[1:])
+            qo_at = qo_indptr.tolist()
 
         num_shared = max((n.level + 1 for n in nodes), default=0)
         levels = [
-            _shared_level([n for n in nodes if n.level == d], pages, order, qo_indptr, page_size)
+            _shared_level([n for n in nodes if n.level == d], pages, order, qo_at, page_size)
             for d in range(num_shared)
         ]
         levels.append(_unique_level(pages, order, kv, qo_planned, qo_indptr, shared_end, page_size))
@@ -159,15 +163,16 @@ class CascadePlanner:
         min_saved = _MIN_SAVED_TOKENS if self.min_saved_tokens is None else self.min_saved_tokens
         kept: list[_Node] = []
         path: list[_Node] = []  # kept ancestors of the current node, outermost first
+        deepest = self.max_levels - 1  # shared levels
         for depth, lo, hi in intervals:
             while path and path[-1].hi <= lo:
                 path.pop()
-            if len(path) >= self.max_levels - 1:
+            if len(path) >= deepest:
                 continue
             start = path[-1].end if path else 0
             tokens = (depth - start) * page_size
             if tokens >= min_shared and (hi - lo - 1) * tokens >= min_saved:
-                node = _Node(level=len(path), lo=lo, hi=hi, start=start, end=depth)
+                node = _Node(len(path), lo, hi, start, depth)
                 kept.append(node)
                 path.append(node)
         return kept
@@ -188,14 +193,14 @@ _LCP_BLOCK = 64
 def _cascade_features(
     nodes: list[_Node],
     qo_planned: np.ndarray,
-    qo_indptr: np.ndarray,
+    qo_at: list[int],
     kv_planned: np.ndarray,
     shared_end: np.ndarray,
     page_size: int,
 ) -> PlanFeatures:
-    """``cost_model.plan_features`` of the plan these nodes make, without building it."""
+    """``cost_model.plan_features`` of the plan these nodes make, without building it. ``qo_at``:
+    the planned query offsets (``batch + 1``)."""
     kv_tokens = pairs = 0.0
-    qo_at = qo_indptr.tolist()
     for node in nodes:
         tokens = (node.end - node.start) * page_size
         kv_tokens += tokens
@@ -350,9 +355,12 @@ def _lcp_intervals(lcp: np.ndarray) -> list[tuple[int, int, int]]:
     that share `pages` > 0 pages, as (pages, lo, hi), in pre-order (ancestors first)."""
     found: list[tuple[int, int, int]] = []
     open_runs: list[tuple[int, int]] = []  # (pages, lo), pages increasing
-    values = lcp.tolist()
-    for i in range(len(values) + 1):
-        value = values[i] if i < len(values) else 0  # the end closes every run
+    # A position whose value equals its left neighbour's opens and closes nothing: visit the others
+    # (and the end, a 0 that closes every run).
+    values = np.zeros(lcp.shape[0] + 1, dtype=np.int64)
+    values[:-1] = lcp
+    changes = np.flatnonzero(np.diff(values, prepend=0))
+    for i, value in zip(changes.tolist(), values[changes].tolist(), strict=True):
         lo = i
         while open_runs and open_runs[-1][0] > value:
             pages, lo = open_runs.pop()
@@ -367,31 +375,33 @@ def _shared_level(
     nodes: list[_Node],
     pages: Pages,
     order: np.ndarray,
-    qo_indptr: np.ndarray,
+    qo_at: list[int],
     page_size: int,
 ) -> CascadeLevel:
-    """One group per node of this level, and one group without KV per run of requests between them."""
-    qo_at = qo_indptr.tolist()
+    """One group per node of this level, and one group without KV per run of requests between them.
+    ``qo_at``: the planned query offsets (``batch + 1``)."""
     group_qo = [0]
     group_pages: list[np.ndarray] = []
+    num_pages: list[int] = []
     position = 0
+    rows = order.tolist()
     for node in sorted(nodes, key=lambda n: n.lo):
         if qo_at[node.lo] > qo_at[position]:
             group_qo.append(qo_at[node.lo])
-            group_pages.append(np.zeros(0, dtype=_I32))
+            num_pages.append(0)
         group_qo.append(qo_at[node.hi])
         # Members share these pages by construction; any member's table gives them.
-        group_pages.append(pages[order[node.lo]][node.start : node.end])
+        group_pages.append(pages[rows[node.lo]][node.start : node.end])
+        num_pages.append(node.end - node.start)
         position = node.hi
     if qo_at[-1] > qo_at[position]:
         group_qo.append(qo_at[-1])
-        group_pages.append(np.zeros(0, dtype=_I32))
-    num_pages = np.array([p.shape[0] for p in group_pages], dtype=np.int64)
+        num_pages.append(0)
     return CascadeLevel(
         qo_indptr=np.array(group_qo, dtype=_I32),
-        kv_indptr=_indptr(num_pages),
+        kv_indptr=np.array([0, *itertools.accumulate(num_pages)], dtype=_I32),
         kv_indices=_concat(group_pages),
-        kv_last_page_len=np.where(num_pages > 0, page_size, 0).astype(_I32),
+        kv_last_page_len=np.array([page_size if n else 0 for n in num_pages], dtype=_I32),
         causal=False,
     )
 
