@@ -236,9 +236,10 @@ def _validate(
             f"block_tables, kv_lens and qo_lens must have one entry per request, got "
             f"{len(block_tables)}, {kv.shape[0]} and {qo.shape[0]}"
         )
-    if (kv < 0).any() or (qo < 0).any():
-        raise ValueError("kv_lens and qo_lens must be >= 0")
-    if (qo > kv).any():
+    # A negative kv_len has a negative qo_len or one above it: one test for the three, then which.
+    if qo.min(initial=0) < 0 or (qo > kv).any():
+        if (kv < 0).any() or (qo < 0).any():
+            raise ValueError("kv_lens and qo_lens must be >= 0")
         i = int(np.argmax(qo > kv))
         raise ValueError(f"request {i}: qo_len {qo[i]} exceeds kv_len {kv[i]} (queries are part of the KV)")
     if int(qo.sum()) > _I32_MAX:  # query offsets are int32
@@ -328,24 +329,35 @@ def _sort_and_lcp(pages: Pages, shareable: np.ndarray, active: np.ndarray) -> tu
     # and the count then puts the prefix first. Any fixed-width encoding of the page ids groups
     # common prefixes. (One 2 MB temporary at most at 256 x 2000 pages: a larger peak makes the heap
     # shrink and fault in again on every plan, costing more than the sort.)
+    # Rows are written through their flat view (one slice per row, cheaper than a row's).
     if isinstance(pages, np.ndarray):
         rows = pages[ids, : width + 1]  # a request with queries has more pages than it can share
-        for i in np.flatnonzero(share < width).tolist():
-            rows[i, share[i] : width] = 0
+        flat = rows.reshape(-1)
+        short = np.flatnonzero(share < width)
+        starts = short * (width + 1)
+        for start, n in zip(starts.tolist(), share[short].tolist(), strict=True):
+            flat[start + n : start + width] = 0
     else:
         rows = np.zeros((ids.shape[0], width + 1), dtype=_I32)
-        for row, i, n in zip(rows, ids.tolist(), share.tolist(), strict=True):
-            row[:n] = pages[i][:n]
+        flat = rows.reshape(-1)
+        for start, i, n in zip(range(0, flat.shape[0], width + 1), ids.tolist(), share.tolist(), strict=True):
+            flat[start : start + n] = pages[i][:n]
     rows[:, width] = share.astype(">i4").view(_I32)
     perm = np.argsort(rows.view(np.dtype((np.void, rows.itemsize * (width + 1)))).ravel(), kind="stable")
     # Neighbours' first difference (a padding zero may equal a page id: the shareable counts cap it),
-    # a block of sorted rows at a time, so that no sorted copy of every row is made.
+    # a block of sorted rows at a time, so that no sorted copy of every row is made. The rows sorted
+    # between two rows agree with both on every column where those two agree: a block's first and
+    # last rows give columns that all its rows share, and only the columns after them are compared.
+    # The count column is taken as differing, so rows equal on every page differ "at" width.
+    starts = np.arange(0, perm.shape[0] - 1, _LCP_BLOCK)
+    outer = rows[perm[starts]] != rows[perm[np.minimum(starts + _LCP_BLOCK, perm.shape[0] - 1)]]
+    outer[:, width] = True
     first = np.empty(perm.shape[0] - 1, dtype=np.int64)
-    for lo in range(0, first.shape[0], _LCP_BLOCK):
-        block = rows[perm[lo : lo + _LCP_BLOCK + 1], :width]
+    for lo, shared in zip(starts.tolist(), outer.argmax(axis=1).tolist(), strict=True):
+        block = rows[perm[lo : lo + _LCP_BLOCK + 1], shared:]
         differ = block[1:] != block[:-1]
-        at = differ.argmax(axis=1)
-        first[lo : lo + at.shape[0]] = np.where(differ[np.arange(at.shape[0]), at], at, width)
+        differ[:, -1] = True
+        first[lo : lo + differ.shape[0]] = differ.argmax(axis=1) + shared
     share = share[perm]
     return np.concatenate([ids[perm], inactive]), np.minimum(first, np.minimum(share[:-1], share[1:]))
 
@@ -357,9 +369,10 @@ def _lcp_intervals(lcp: np.ndarray) -> list[tuple[int, int, int]]:
     open_runs: list[tuple[int, int]] = []  # (pages, lo), pages increasing
     # A position whose value equals its left neighbour's opens and closes nothing: visit the others
     # (and the end, a 0 that closes every run).
-    values = np.zeros(lcp.shape[0] + 1, dtype=np.int64)
-    values[:-1] = lcp
-    changes = np.flatnonzero(np.diff(values, prepend=0))
+    padded = np.zeros(lcp.shape[0] + 2, dtype=np.int64)  # a 0 before the first and after the last
+    padded[1:-1] = lcp
+    values = padded[1:]
+    changes = np.flatnonzero(values != padded[:-1])
     for i, value in zip(changes.tolist(), values[changes].tolist(), strict=True):
         lo = i
         while open_runs and open_runs[-1][0] > value:
@@ -438,6 +451,8 @@ def _unique_level(
 
 def _query_order(qo: np.ndarray, order: np.ndarray, qo_indptr: np.ndarray) -> np.ndarray:
     """Planned query token t -> engine query token; each request's queries stay contiguous."""
+    if qo_indptr[-1] == qo.shape[0] and qo.min(initial=1) == 1:
+        return order  # one query per request (decode): the tokens follow the requests
     engine_start = np.cumsum(qo) - qo
     lens = qo[order]
     shift = np.repeat(engine_start[order] - qo_indptr[:-1], lens)
