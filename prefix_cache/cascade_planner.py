@@ -103,13 +103,13 @@ class CascadePlanner:
         included) or bools raise TypeError, and a wrong shape or a value out of range raises
         ValueError, each naming the argument.
         """
-        kv, qo, pages, page_size = _validate(block_tables, kv_lens, qo_lens, page_size)
+        kv, qo, pages, page_size, unchecked = _validate(block_tables, kv_lens, qo_lens, page_size)
         batch = kv.shape[0]
         active = qo > 0
         # Whole pages of KV computed before this step: the most a request can share.
         shareable = np.where(active, (kv - qo) // page_size, 0)
 
-        order, lcp = _sort_and_lcp(pages, shareable, active)
+        order, lcp, low = _sort_and_lcp(pages, shareable, active)
         nodes = self._choose(_lcp_intervals(lcp), page_size)
 
         qo_planned = qo[order]
@@ -140,6 +140,8 @@ class CascadePlanner:
             for d in range(num_shared)
         ]
         levels.append(_unique_level(pages, order, kv, qo_planned, qo_indptr, shared_end, page_size))
+        if unchecked:
+            _check_read_page_ids(pages, -(-kv // page_size), active, low, levels[-1].kv_indices)
 
         inverse = np.empty(batch, dtype=_I32)
         inverse[order] = np.arange(batch, dtype=_I32)
@@ -216,8 +218,9 @@ def _validate(
     kv_lens: Sequence[int] | np.ndarray,
     qo_lens: Sequence[int] | np.ndarray,
     page_size: int,
-) -> tuple[np.ndarray, np.ndarray, Pages, int]:
-    """Checked int64 lengths, the pages (``Pages``) and the page size as an int. Nothing is
+) -> tuple[np.ndarray, np.ndarray, Pages, int, bool]:
+    """Checked int64 lengths, the pages (``Pages``), the page size as an int, and whether the page ids
+    are still to be checked (int32 ones: ``_check_read_page_ids``, once planned). Nothing is
     converted that is not already an integer: floats (NaN too), bools and arrays of the wrong rank
     raise, naming the argument."""
     if isinstance(page_size, bool) or not isinstance(page_size, int | np.integer):
@@ -254,15 +257,13 @@ def _validate(
                 f"request {i}: {block_tables.shape[1]} pages for kv_len {kv[i]}, needs {num_pages[i]}"
             )
         matrix = block_tables[:, :width]
-        # Every entry in range (unused ones too) is the common case and one pass (int32 entries are
-        # never above the range: only their minimum is looked at); otherwise look at the used
-        # entries only.
-        if matrix.size and (matrix.min() < 0 or (matrix.dtype != _I32 and matrix.max() > _I32_MAX)):
-            used = np.arange(width) < num_pages[:, None]
-            low, high = np.where(used, matrix, 0).min(), np.where(used, matrix, 0).max()
-            if low < 0 or high > _I32_MAX:
-                raise ValueError(f"page ids must be in [0, 2**31), got range [{low}, {high}]")
-        return kv, qo, matrix.astype(_I32, copy=False), page_size
+        if matrix.dtype == _I32:
+            return kv, qo, matrix, page_size, True
+        # Every entry in range (unused ones too) is the common case and one pass; otherwise look at
+        # the used entries only.
+        if matrix.size and (matrix.min() < 0 or matrix.max() > _I32_MAX):
+            _check_page_ids(matrix, num_pages)
+        return kv, qo, matrix.astype(_I32), page_size, False
     tables = [
         # Integer numpy rows (the fast path) are taken as they are; anything else is checked.
         (
@@ -275,10 +276,40 @@ def _validate(
     for i, (pages, n) in enumerate(zip(tables, num_pages.tolist(), strict=True)):
         if pages.shape[0] < n:
             raise ValueError(f"request {i}: {pages.shape[0]} pages for kv_len {kv[i]}, needs {n}")
-    used = np.concatenate(tables) if tables else np.zeros(0, dtype=_I32)
-    if used.size and (used.min() < 0 or used.max() > _I32_MAX):
-        raise ValueError(f"page ids must be in [0, 2**31), got range [{used.min()}, {used.max()}]")
-    return kv, qo, [pages.astype(_I32, copy=False) for pages in tables], page_size
+    if all(pages.dtype == _I32 for pages in tables):
+        return kv, qo, tables, page_size, True
+    _check_page_ids(tables, num_pages)
+    return kv, qo, [pages.astype(_I32, copy=False) for pages in tables], page_size, False
+
+
+def _check_page_ids(pages: np.ndarray | list[np.ndarray], num_pages: np.ndarray) -> None:
+    """Raise unless every used page id (``pages[i][:num_pages[i]]``) is in [0, 2**31)."""
+    if isinstance(pages, np.ndarray):
+        used = np.arange(pages.shape[1]) < num_pages[:, None]
+        ids = np.where(used, pages, 0)
+    else:
+        ids = np.concatenate([row[:n] for row, n in zip(pages, num_pages.tolist(), strict=True)] or [[]])
+    low, high = (int(ids.min()), int(ids.max())) if ids.size else (0, 0)
+    if low < 0 or high > _I32_MAX:
+        raise ValueError(f"page ids must be in [0, 2**31), got range [{low}, {high}]")
+
+
+def _check_read_page_ids(
+    pages: Pages, num_pages: np.ndarray, active: np.ndarray, low: int, own: np.ndarray
+) -> None:
+    """The range check of int32 page ids (only negative ones are out of range), made on what the
+    plan read rather than in a pass of its own: ``low`` is the smallest shareable page id of the
+    requests with queries, ``own`` the unique level's page ids (the rest of their pages); the pages
+    of requests without queries are looked at here."""
+    low = min(low, int(own.min(initial=0)))
+    idle = np.flatnonzero(~active)
+    if idle.size and isinstance(pages, np.ndarray):
+        low = min(low, int(pages[idle].min(initial=0)))  # unused entries too: a second look if < 0
+    elif idle.size:
+        spans = zip(idle.tolist(), num_pages[idle].tolist(), strict=True)
+        low = min(low, *(int(pages[i][:n].min(initial=0)) for i, n in spans))
+    if low < 0:
+        _check_page_ids(pages, num_pages)
 
 
 def _int_vector(name: str, values: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -309,11 +340,14 @@ def _check_int_dtype(name: str, arr: np.ndarray) -> None:
         raise TypeError(f"{name} must hold integers, got {what}")
 
 
-def _sort_and_lcp(pages: Pages, shareable: np.ndarray, active: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(order, lcp). order: planned order, requests with queries sorted by their shareable pages, so
-    that requests sharing a prefix are contiguous (the DFS order of the trie), requests without
+def _sort_and_lcp(
+    pages: Pages, shareable: np.ndarray, active: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """(order, lcp, low). order: planned order, requests with queries sorted by their shareable pages,
+    so that requests sharing a prefix are contiguous (the DFS order of the trie), requests without
     queries last; stable: equal tables keep the engine's order. lcp[i]: pages that planned requests
-    i and i+1 (both with queries) share at the start of their shareable pages.
+    i and i+1 (both with queries) share at the start of their shareable pages. low: the smallest
+    shareable page id read, or 0 if smaller (negative only if one of them is).
 
     The order is that of the byte strings of the shareable pages (int32, native byte order), a
     prefix before its extensions."""
@@ -321,7 +355,7 @@ def _sort_and_lcp(pages: Pages, shareable: np.ndarray, active: np.ndarray) -> tu
     inactive = np.flatnonzero(~active)
     width = int(shareable.max(initial=0))
     if ids.size < 2 or width == 0:
-        return np.concatenate([ids, inactive]), np.zeros(max(ids.size - 1, 0), dtype=np.int64)
+        return np.concatenate([ids, inactive]), np.zeros(max(ids.size - 1, 0), dtype=np.int64), 0
     share = shareable[ids]
     # One key row per request: its shareable pages, zeros after them, and its shareable count
     # big-endian last. numpy sorts such rows as void items, comparing bytes (memcmp): in the order of
@@ -342,6 +376,8 @@ def _sort_and_lcp(pages: Pages, shareable: np.ndarray, active: np.ndarray) -> tu
         flat = rows.reshape(-1)
         for start, i, n in zip(range(0, flat.shape[0], width + 1), ids.tolist(), share.tolist(), strict=True):
             flat[start : start + n] = pages[i][:n]
+    rows[:, width] = 0
+    low = int(flat.min())  # the pages and their zero padding
     rows[:, width] = share.astype(">i4").view(_I32)
     perm = np.argsort(rows.view(np.dtype((np.void, rows.itemsize * (width + 1)))).ravel(), kind="stable")
     # Neighbours' first difference (a padding zero may equal a page id: the shareable counts cap it),
@@ -359,7 +395,8 @@ def _sort_and_lcp(pages: Pages, shareable: np.ndarray, active: np.ndarray) -> tu
         differ[:, -1] = True
         first[lo : lo + differ.shape[0]] = differ.argmax(axis=1) + shared
     share = share[perm]
-    return np.concatenate([ids[perm], inactive]), np.minimum(first, np.minimum(share[:-1], share[1:]))
+    lcp = np.minimum(first, np.minimum(share[:-1], share[1:]))
+    return np.concatenate([ids[perm], inactive]), lcp, low
 
 
 def _lcp_intervals(lcp: np.ndarray) -> list[tuple[int, int, int]]:
