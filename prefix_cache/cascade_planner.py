@@ -469,18 +469,23 @@ def _unique_level(
     queries). Always non-empty for a request with queries: shared segments stop before new tokens."""
     kv_planned = kv[order]
     end = np.where(qo_planned > 0, -(-kv_planned // page_size), shared_end)
-    spans = zip(order.tolist(), shared_end.tolist(), end.tolist(), strict=True)
-    # A 2-D array is sliced in one indexing step per request (no row view in between).
-    own = (
-        [pages[r, s:e] for r, s, e in spans]
-        if isinstance(pages, np.ndarray)
-        else [pages[r][s:e] for r, s, e in spans]
-    )
+    first, stop = (int(shared_end[0]), int(end[0])) if end.size else (0, 0)
+    if isinstance(pages, np.ndarray) and (shared_end == first).all() and (end == stop).all():
+        # Every request reads the same columns (samples of one prompt in step): one 2-D gather.
+        own = pages[order, first:stop].reshape(-1)
+    else:
+        spans = zip(order.tolist(), shared_end.tolist(), end.tolist(), strict=True)
+        # A 2-D array is sliced in one indexing step per request (no row view in between).
+        own = _concat(
+            [pages[r, s:e] for r, s, e in spans]
+            if isinstance(pages, np.ndarray)
+            else [pages[r][s:e] for r, s, e in spans]
+        )
     last = np.where(end > shared_end, kv_planned - (end - 1) * page_size, 0)
     return CascadeLevel(
         qo_indptr=qo_indptr.astype(_I32),
         kv_indptr=_indptr(end - shared_end),
-        kv_indices=_concat(own),
+        kv_indices=own,
         kv_last_page_len=last.astype(_I32),
         causal=True,
     )

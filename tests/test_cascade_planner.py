@@ -90,6 +90,48 @@ def test_plan_is_well_formed(batch: Batch, planner: CascadePlanner) -> None:
     assert len(plan.levels) <= planner.max_levels
 
 
+def as_2d(batch: Batch, fill: int) -> np.ndarray:
+    """The batch's tables as one int32 array, rows padded with ``fill`` past their pages."""
+    width = max((len(t) for t in batch.block_tables), default=0) + 2
+    table = np.full((len(batch.block_tables), width), fill, dtype=np.int32)
+    for row, pages in zip(table, batch.block_tables, strict=True):
+        row[: len(pages)] = pages
+    return table
+
+
+def assert_same_plan(got: CascadePlan, want: CascadePlan) -> None:
+    for a, b in zip(got.levels, want.levels, strict=True):
+        for name in ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len"):
+            assert getattr(a, name).tolist() == getattr(b, name).tolist(), name
+    assert got.request_order.tolist() == want.request_order.tolist()
+    assert got.query_order.tolist() == want.query_order.tolist()
+
+
+@settings(max_examples=200, deadline=None)
+@given(batch=batches(), planner=planners, fill=st.sampled_from([-1, 0, 7]))
+def test_a_2d_table_plans_like_its_rows(batch: Batch, planner: CascadePlanner, fill: int) -> None:
+    """The 2-D array path (its own gathers and page id checks) against the list of rows, which
+    check_plan verifies on its own."""
+    want = plan_of(batch, planner)
+    assert_same_plan(planner.plan(as_2d(batch, fill), batch.kv_lens, batch.qo_lens, batch.page_size), want)
+
+
+@pytest.mark.parametrize("groups", [[(40, 8)], [(40, 8), (40, 8)], [(0, 5)], [(3, 1)]])
+def test_samples_in_step_plan_like_their_rows(groups: list[tuple[int, int]]) -> None:
+    """Requests whose own pages sit in the same columns (samples of one prompt decoding in step) take
+    the unique level's one-gather path from a 2-D array; lengths one token apart take the other."""
+    batch = decode_batch(groups, unique_pages=3)
+    for planner in (CascadePlanner(), CascadePlanner(min_shared_tokens=16, min_saved_tokens=0)):
+        want = plan_of(batch, planner)
+        assert_same_plan(planner.plan(as_2d(batch, -1), batch.kv_lens, batch.qo_lens, 16), want)
+        ragged = Batch(
+            batch.block_tables, batch.kv_lens - np.arange(len(batch.kv_lens)) % 2 * 16, batch.qo_lens, 16, 0
+        )
+        assert_same_plan(
+            planner.plan(as_2d(ragged, -1), ragged.kv_lens, ragged.qo_lens, 16), plan_of(ragged, planner)
+        )
+
+
 @settings(max_examples=100, deadline=None)
 @given(batch=batches())
 def test_eager_planner_shares_every_shared_page(batch: Batch) -> None:
