@@ -10,6 +10,7 @@ one launch.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -178,14 +179,24 @@ def auto_chunk(
     slots = sms * tile.resident_per_sm()
     if int(programs.sum()) >= slots or kv_len.size == 0:
         return UNSPLIT
+    # The levels split for lack of programs are mostly shared ones, whose lengths stay the same from
+    # step to step: the last choices are remembered.
+    as_bytes = [a.astype(np.int64, copy=False).tobytes() for a in (kv_len, programs)]
+    return _best_chunk(*as_bytes, tile.block_n, slots, max_splits)
+
+
+@functools.lru_cache(maxsize=256)
+def _best_chunk(kv_len_bytes: bytes, programs_bytes: bytes, block_n: int, slots: int, max_splits: int) -> int:
+    """``auto_chunk`` of a level that leaves SMs idle unsplit (int64 arrays as bytes)."""
+    kv_len, programs = np.frombuffer(kv_len_bytes, np.int64), np.frombuffer(programs_bytes, np.int64)
     longest = int(kv_len.max())
     # Every candidate at once: chunk lengths for 2..max_splits parts (non-increasing), cut where they
     # fall below MIN_SPLIT_TOKENS; the total programs of each in one [candidates, groups] product.
     parts = np.arange(2, max_splits + 1, dtype=np.int64)
     per_part = -(-longest // parts)
-    chunks = -(-per_part // tile.block_n) * tile.block_n
+    chunks = -(-per_part // block_n) * block_n
     chunks = chunks[: np.count_nonzero(chunks >= MIN_SPLIT_TOKENS)]
-    totals = np.maximum(-(-kv_len[None, :] // chunks[:, None]), 1) @ programs.astype(np.int64)
+    totals = np.maximum(-(-kv_len[None, :] // chunks[:, None]), 1) @ programs
     costs = (-(-totals // slots) * chunks).tolist()
     best_cost, best_chunk = longest, UNSPLIT  # one wave of the unsplit level
     for chunk, cost in zip(chunks.tolist(), costs, strict=True):
