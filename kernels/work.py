@@ -269,7 +269,7 @@ def levels_work(
     m_tiles = -(-q_len // tile_q)  # 0 for a group without queries: it writes nothing
     # A group without KV gets no program and no partial row: the merge turns "no rows" into out 0
     # and lse -inf. Groups capped at max_splits take longer chunks instead of more splits.
-    splits = np.where(kv_len > 0, np.minimum(np.maximum(-(-kv_len // chunk), 1), max_splits), 0)
+    splits = np.minimum(-(-kv_len // chunk), max_splits)  # 0 exactly for a group without KV
     per = -(-kv_len // np.maximum(splits, 1))
     group_chunk = np.maximum(-(-per // block_n) * block_n, block_n)
 
