@@ -4,8 +4,8 @@ A level is a list of groups; group g owns query tokens ``qo_indptr[g]:qo_indptr[
 ``kv_indices[kv_indptr[g]:kv_indptr[g+1]]`` (the last one holding ``kv_last_page_len[g]`` tokens).
 One work item is one program's job for one KV head: an M tile of (query tokens of one group) x (the
 query heads that share that KV head), over one split of the group's KV. ``level_work`` cuts a level
-into work items; the kernel (``attention.py``) runs any list of them, from any number of levels, in
-one launch.
+into work items (``levels_work`` all of a plan's levels in one pass); the kernel (``attention.py``)
+runs any list of them, from any number of levels, in one launch.
 """
 
 from __future__ import annotations
