@@ -4,7 +4,10 @@ tables come in, and the Triton backend's ``plan`` of the result.
 The batch: 256 requests x 2000 pages of 16 tokens, one query token each; a 1000-page system prompt
 shared by all, 16 conversations of 500 pages shared by 16 samples each, 500 pages per sample of its
 own (a three-level plan). Page tables come as one 2-D int32 array, as a list of 1-D int32 arrays (an
-engine's per-sequence block tables) or as lists of Python ints. The backends plan for Llama-3-8B's
+engine's per-sequence block tables) or as lists of Python ints. Its samples decode in step (every
+request has the same length); the "ragged" rows give each request 1 to 8000 tokens of its own
+instead (the same tables and plan shape, other lengths), which takes the planner's general paths.
+The backends plan for Llama-3-8B's
 heads (32 / 8, head_dim 128, bf16 given at plan time) on CPU tensors: the exact-size Triton backend
 and one with a ``GraphCapacity``; their upload is a CPU copy here, where a GPU engine pays an
 asynchronous host-to-device copy. "in all" is the planner on the 2-D array plus the Triton backend's
@@ -48,9 +51,15 @@ def large_batch() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return tables, np.full(256, 2000 * 16 - 5), np.ones(256, dtype=np.int64)
 
 
+def ragged_kv_lens() -> np.ndarray:
+    """KV lengths of the ragged rows: the 1500 shared pages, then 1 to 8000 tokens of each request's."""
+    return 1500 * 16 + np.random.default_rng(0).integers(1, 500 * 16 + 1, 256)
+
+
 def time_plans(repeats: int) -> list[tuple[str, float, float, int]]:
     """Per row: (name, best ms, median ms, levels)."""
     tables, kv, qo = large_batch()
+    ragged = ragged_kv_lens()
     planner = CascadePlanner()
     plan = planner.plan(tables, kv, qo, 16)
     heads = dict(
@@ -71,6 +80,8 @@ def time_plans(repeats: int) -> list[tuple[str, float, float, int]]:
         "in all: planner (2-D) + triton backend plan": lambda: exact.plan(
             planner.plan(tables, kv, qo, 16), **heads
         ),
+        "planner, 2-D int32 array, ragged lengths": lambda: planner.plan(tables, ragged, qo, 16),
+        "in all, ragged lengths": lambda: exact.plan(planner.plan(tables, ragged, qo, 16), **heads),
     }
     rows = []
     for name, call in calls.items():

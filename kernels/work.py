@@ -4,12 +4,14 @@ A level is a list of groups; group g owns query tokens ``qo_indptr[g]:qo_indptr[
 ``kv_indices[kv_indptr[g]:kv_indptr[g+1]]`` (the last one holding ``kv_last_page_len[g]`` tokens).
 One work item is one program's job for one KV head: an M tile of (query tokens of one group) x (the
 query heads that share that KV head), over one split of the group's KV. ``level_work`` cuts a level
-into work items; the kernel (``attention.py``) runs any list of them, from any number of levels, in
-one launch.
+into work items (``levels_work`` all of a plan's levels in one pass); the kernel (``attention.py``)
+runs any list of them, from any number of levels, in one launch.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -86,11 +88,12 @@ def fixed_tile_configs(group_size: int, head_dim: int, page_size: int) -> tuple[
 @dataclass(frozen=True)
 class LevelArrays:
     """A level's index arrays, checked, as int64 numpy arrays (``kv_indices`` in the integer dtype it came
-    in, its values in [0, 2**31)); ``kv_len`` per group in tokens."""
+    in, its values in [0, 2**31)); ``q_len`` and ``kv_len`` per group in tokens."""
 
     qo_indptr: np.ndarray
     kv_indptr: np.ndarray
     kv_indices: np.ndarray
+    q_len: np.ndarray
     kv_len: np.ndarray
     max_page: int
 
@@ -100,8 +103,7 @@ class LevelArrays:
 
     @property
     def max_rows_per_group(self) -> int:
-        qo = self.qo_indptr
-        return int((qo[1:] - qo[:-1]).max(initial=0))
+        return int(self.q_len.max(initial=0))
 
 
 def _as_int_array(name: str, a: np.ndarray | torch.Tensor, *, widen: bool = True) -> np.ndarray:
@@ -111,6 +113,17 @@ def _as_int_array(name: str, a: np.ndarray | torch.Tensor, *, widen: bool = True
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
         raise ValueError(f"{name} must be a 1-D integer array, got shape {arr.shape} dtype {arr.dtype}")
     return arr.astype(np.int64, copy=False) if widen or arr.size == 0 else arr
+
+
+def _page_id_bound(ids: np.ndarray) -> int:
+    """One past the largest page id in ``ids`` (non-empty, integer), or 2**31 or more when any id is
+    outside [0, 2**31). Signed ids of 4 or 8 bytes in one pass: read as unsigned, a negative id is
+    2**31 or more."""
+    if ids.dtype.kind == "i" and ids.dtype.itemsize >= 4:
+        return int(ids.view(ids.dtype.str.replace("i", "u")).max()) + 1
+    if ids.dtype.kind == "i" and ids.min() < 0:
+        return 2**31
+    return int(ids.max()) + 1
 
 
 def check_level(
@@ -135,19 +148,24 @@ def check_level(
         )
     q_len = qo[1:] - qo[:-1]
     num_pages = kvp[1:] - kvp[:-1]
-    if qo[0] != 0 or (q_len < 0).any() or (num_pages < 0).any() or kvp[0] < 0 or kvp[-1] > idx.shape[0]:
+    first_page, end_page = int(kvp[0]), int(kvp[-1])
+    decreasing = np.minimum(q_len, num_pages).min(initial=0) < 0
+    if qo[0] != 0 or first_page < 0 or end_page > idx.shape[0] or decreasing:
         raise ValueError("qo_indptr must start at 0, indptrs must be non-decreasing and within kv_indices")
-    has_kv = num_pages > 0
-    if ((last < 1) | (last > page_size))[has_kv].any():
+    # Tokens missing from a group's last page: 0..page_size - 1 when its kv_last_page_len is valid;
+    # anything else, negative ones included, reads as page_size or more unsigned.
+    missing = np.where(num_pages > 0, page_size - last, 0)
+    if missing.view(np.uint64).max(initial=0) >= page_size:
         raise ValueError(f"kv_last_page_len must be in 1..{page_size} for groups with pages")
-    used = idx[kvp[0] : kvp[-1]]
-    max_page = int(used.max()) if used.size else -1
-    if used.size and (used.min() < 0 or max_page >= 2**31):
-        raise ValueError("kv_indices must hold page ids in [0, 2**31)")
-    kv_len = np.where(has_kv, (num_pages - 1) * page_size + last, 0)
+    max_page = -1
+    if end_page > first_page:
+        max_page = _page_id_bound(idx[first_page:end_page]) - 1
+        if max_page >= 2**31:
+            raise ValueError("kv_indices must hold page ids in [0, 2**31)")
+    kv_len = num_pages * page_size - missing
     if qo[-1] >= 2**30 or kv_len.max(initial=0) >= 2**30:
         raise ValueError("level too large: query tokens and KV lengths must stay below 2**30")
-    return LevelArrays(qo, kvp, idx, kv_len, max_page)
+    return LevelArrays(qo, kvp, idx, q_len, kv_len, max_page)
 
 
 def auto_chunk(
@@ -163,14 +181,24 @@ def auto_chunk(
     slots = sms * tile.resident_per_sm()
     if int(programs.sum()) >= slots or kv_len.size == 0:
         return UNSPLIT
+    # The levels split for lack of programs are mostly shared ones, whose lengths stay the same from
+    # step to step: the last choices are remembered.
+    as_bytes = [a.astype(np.int64, copy=False).tobytes() for a in (kv_len, programs)]
+    return _best_chunk(*as_bytes, tile.block_n, slots, max_splits)
+
+
+@functools.lru_cache(maxsize=256)
+def _best_chunk(kv_len_bytes: bytes, programs_bytes: bytes, block_n: int, slots: int, max_splits: int) -> int:
+    """``auto_chunk`` of a level that leaves SMs idle unsplit (int64 arrays as bytes)."""
+    kv_len, programs = np.frombuffer(kv_len_bytes, np.int64), np.frombuffer(programs_bytes, np.int64)
     longest = int(kv_len.max())
     # Every candidate at once: chunk lengths for 2..max_splits parts (non-increasing), cut where they
     # fall below MIN_SPLIT_TOKENS; the total programs of each in one [candidates, groups] product.
     parts = np.arange(2, max_splits + 1, dtype=np.int64)
     per_part = -(-longest // parts)
-    chunks = -(-per_part // tile.block_n) * tile.block_n
+    chunks = -(-per_part // block_n) * block_n
     chunks = chunks[: np.count_nonzero(chunks >= MIN_SPLIT_TOKENS)]
-    totals = np.maximum(-(-kv_len[None, :] // chunks[:, None]), 1) @ programs.astype(np.int64)
+    totals = np.maximum(-(-kv_len[None, :] // chunks[:, None]), 1) @ programs
     costs = (-(-totals // slots) * chunks).tolist()
     best_cost, best_chunk = longest, UNSPLIT  # one wave of the unsplit level
     for chunk, cost in zip(chunks.tolist(), costs, strict=True):
@@ -197,49 +225,85 @@ def level_work(
     kv_chunk_size: KV tokens per split (rounded up to a multiple of the KV tile); None splits only
     when the level has too few programs for the device (``auto_chunk``). max_splits: per group.
     """
-    qo, kvp, kv_len = level.qo_indptr, level.kv_indptr, level.kv_len
-    q_len = qo[1:] - qo[:-1]
-    tile_q = tile.block_m // group_size
-    m_tiles = -(-q_len // tile_q)  # 0 for a group without queries: it writes nothing
-    if kv_chunk_size is None:
-        chunk = auto_chunk(kv_len, m_tiles * num_kv_heads, tile, sms, max_splits)
-    else:
-        if kv_chunk_size <= 0:
-            raise ValueError(f"kv_chunk_size must be positive, got {kv_chunk_size}")
+    work, splits, _ = levels_work(
+        [level], causal=[causal], tiles=[tile], group_size=group_size, num_kv_heads=num_kv_heads, sms=sms,
+        kv_chunk_size=kv_chunk_size, max_splits=max_splits, row_stride=0,
+    )  # fmt: skip
+    return work, splits[0]
+
+
+def levels_work(
+    levels: Sequence[LevelArrays],
+    *,
+    causal: Sequence[bool],
+    tiles: Sequence[TileConfig],
+    group_size: int,
+    num_kv_heads: int,
+    sms: int,
+    kv_chunk_size: int | None,
+    max_splits: int = MAX_SPLITS,
+    row_stride: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``level_work`` of several levels over the same query tokens in one pass (a plan's levels):
+    (work int64 [W, WORK_COLS], splits int64 [levels, nq], level int64 [W]: each item's). Level i's items are
+    ``level_work``'s for it with ``causal[i]`` and ``tiles[i]``, in its order, level after level;
+    their PAGE0 counts from the start of the levels' ``kv_indices`` laid end to end, and their OROW
+    is ``i * row_stride``. Each level chooses its own split (``auto_chunk``) unless
+    ``kv_chunk_size`` is given."""
+    if kv_chunk_size is not None and kv_chunk_size <= 0:
+        raise ValueError(f"kv_chunk_size must be positive, got {kv_chunk_size}")
+    groups = [level.kv_len.shape[0] for level in levels]
+    q_len = np.concatenate([level.q_len for level in levels])
+    kv_len = np.concatenate([level.kv_len for level in levels])
+    # Per level: M tile (query tokens), KV tile, split chunk, OROW, first page, causal, its index; one
+    # row each, repeated per group.
+    per_level = np.empty((len(levels), 7), dtype=np.int64)
+    page_base = 0
+    for i, (level, tile, is_causal) in enumerate(zip(levels, tiles, causal, strict=True)):
+        tile_q = tile.block_m // group_size
         chunk = kv_chunk_size
-    chunk = min(cdiv(chunk, tile.block_n) * tile.block_n, UNSPLIT)
+        if chunk is None:
+            chunk = auto_chunk(level.kv_len, -(-level.q_len // tile_q) * num_kv_heads, tile, sms, max_splits)
+        chunk = min(cdiv(chunk, tile.block_n) * tile.block_n, UNSPLIT)
+        per_level[i] = tile_q, tile.block_n, chunk, i * row_stride, page_base, is_causal, i
+        page_base += level.kv_indices.shape[0]
+    tile_q, block_n, chunk, orow, page0, is_causal, level = np.repeat(per_level, groups, axis=0).T
+    m_tiles = -(-q_len // tile_q)  # 0 for a group without queries: it writes nothing
     # A group without KV gets no program and no partial row: the merge turns "no rows" into out 0
-    # and lse -inf. Groups capped at MAX_SPLITS take longer chunks instead of more splits.
-    splits = np.where(kv_len > 0, np.minimum(np.maximum(-(-kv_len // chunk), 1), max_splits), 0)
+    # and lse -inf. Groups capped at max_splits take longer chunks instead of more splits.
+    splits = np.minimum(-(-kv_len // chunk), max_splits)  # 0 exactly for a group without KV
     per = -(-kv_len // np.maximum(splits, 1))
-    group_chunk = np.maximum(-(-per // tile.block_n) * tile.block_n, tile.block_n)
+    group_chunk = np.maximum(-(-per // block_n) * block_n, block_n)
 
     items = splits * m_tiles
-    # One row per group, repeated once per item of the group; KV0 and SPLIT hold the group's chunk
-    # and M-tile count until the item's own values replace them.
-    rows = np.empty((kv_len.shape[0], WORK_COLS), dtype=np.int64)
-    rows[:, Q0], rows[:, Q1], rows[:, PAGE0] = qo[:-1], qo[1:], kvp[:-1]
+    # One row per group (then its M tile and its level), repeated once per item of the group; KV0 and
+    # SPLIT hold the group's chunk and M-tile count until the item's own values replace them.
+    rows = np.empty((kv_len.shape[0], WORK_COLS + 2), dtype=np.int64)
+    rows[:, Q0] = np.concatenate([level.qo_indptr[:-1] for level in levels])
+    rows[:, Q1] = rows[:, Q0] + q_len
+    rows[:, PAGE0] = np.concatenate([level.kv_indptr[:-1] for level in levels]) + page0
     rows[:, KV0], rows[:, KV1], rows[:, SPLIT] = group_chunk, kv_len, np.maximum(m_tiles, 1)
-    rows[:, DIAG] = (kv_len - q_len - qo[:-1]) if causal else NO_MASK
-    rows[:, OROW] = 0
+    rows[:, DIAG] = np.where(is_causal != 0, kv_len - rows[:, Q1], NO_MASK)
+    rows[:, OROW], rows[:, WORK_COLS], rows[:, WORK_COLS + 1] = orow, tile_q, level
     work = np.repeat(rows, items, axis=0)
     local = np.arange(work.shape[0]) - np.repeat(np.cumsum(items) - items, items)
     # m-tiles innermost: the programs that read the same KV chunk run side by side and share it in L2.
     if (m_tiles > 1).any():
         s, m = np.divmod(local, work[:, SPLIT])
-        work[:, Q0] += m * tile_q
+        work[:, Q0] += m * work[:, WORK_COLS]
     else:
         s = local
-    np.minimum(work[:, Q0] + tile_q, work[:, Q1], out=work[:, Q1])
+    np.minimum(work[:, Q0] + work[:, WORK_COLS], work[:, Q1], out=work[:, Q1])
     chunk_end = (s + 1) * work[:, KV0]
     np.minimum(chunk_end - work[:, KV0], work[:, KV1], out=work[:, KV0])
     np.minimum(chunk_end, work[:, KV1], out=work[:, KV1])
     work[:, SPLIT] = s
-    return work, np.repeat(splits, q_len)
+    return work[:, :WORK_COLS], np.repeat(splits, q_len).reshape(len(levels), -1), work[:, WORK_COLS + 1]
 
 
-def longest_first(work: np.ndarray) -> np.ndarray:
+def longest_first(work: np.ndarray, first_by: np.ndarray | None = None) -> np.ndarray:
     """Work items ordered by decreasing KV tokens x query tokens (stable): the long items start first,
-    so that the short ones fill in behind them on every SM."""
+    so that the short ones fill in behind them on every SM. ``first_by`` (one int per item): sort by
+    it first, ascending (items of one launch together)."""
     cost = (work[:, KV1] - work[:, KV0]) * (work[:, Q1] - work[:, Q0] + 1)
-    return work[np.argsort(-cost, kind="stable")]
+    return work[np.argsort(-cost, kind="stable") if first_by is None else np.lexsort((-cost, first_by))]

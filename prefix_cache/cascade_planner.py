@@ -6,16 +6,19 @@ in O(total pages · log batch). A cost model walks the tree top-down and keeps t
 call; each kept node becomes a group at the level of its depth among kept nodes, and whatever a
 request has left after its deepest kept node goes to the last, causal level.
 
-Pass page tables as numpy arrays: 256 requests × 2000 pages plan in about 0.63 ms from a 2-D array
-and 1.0 ms from a list of rows on a shared 2-core machine (benchmarks/bench_planner.py); lists of
-Python ints cost a conversion and a type check of every page id (about 20 ms).
+Pass page tables as numpy arrays: 256 requests × 2000 pages plan in about 0.44 ms from a 2-D array
+(0.62 ms when their lengths differ) and 0.8 ms from a list of rows on a shared 2-core machine
+(benchmarks/bench_planner.py); lists of Python ints cost a conversion and a type check of every
+page id (about 19 ms).
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -33,8 +36,7 @@ def _packaged_cost_model() -> CostModel:
     return default_cost_model()
 
 
-@dataclass(frozen=True)
-class _Node:
+class _Node(NamedTuple):
     """A kept shared node: planned positions ``lo:hi`` read pages ``start:end`` of their tables."""
 
     level: int
@@ -102,40 +104,45 @@ class CascadePlanner:
         included) or bools raise TypeError, and a wrong shape or a value out of range raises
         ValueError, each naming the argument.
         """
-        kv, qo, pages, page_size = _validate(block_tables, kv_lens, qo_lens, page_size)
+        kv, qo, pages, page_size, unchecked = _validate(block_tables, kv_lens, qo_lens, page_size)
         batch = kv.shape[0]
+        active = qo > 0
         # Whole pages of KV computed before this step: the most a request can share.
-        shareable = np.where(qo > 0, (kv - qo) // page_size, 0)
+        shareable = np.where(active, (kv - qo) // page_size, 0)
 
-        order, lcp = _sort_and_lcp(pages, shareable, qo > 0)
+        order, lcp, low = _sort_and_lcp(pages, shareable, active)
         nodes = self._choose(_lcp_intervals(lcp), page_size)
 
         qo_planned = qo[order]
         qo_indptr = np.zeros(batch + 1, dtype=np.int64)
         np.cumsum(qo_planned, out=qo_indptr[1:])
+        qo_at = qo_indptr.tolist()
 
         shared_end = np.zeros(batch, dtype=np.int64)
         for node in nodes:  # pre-order: a deeper node overwrites its ancestors
             shared_end[node.lo : node.hi] = node.end
         if nodes and self._cost_model_decides():
-            flat = PlanFeatures(1, float(kv[qo > 0].sum()), float((qo * kv).sum()))
-            cascade = _cascade_features(nodes, qo_planned, qo_indptr, kv[order], shared_end, page_size)
+            flat = PlanFeatures(1, float(kv[active].sum()), float((qo * kv).sum()))
+            cascade = _cascade_features(nodes, qo_planned, qo_at, kv[order], shared_end, page_size)
             if self.cost_model.time_us(flat) <= self.cost_model.time_us(cascade):
                 nodes, shared_end = [], np.zeros(batch, dtype=np.int64)
         if not nodes:
             # One level: nothing to group, so keep the engine's order (requests without queries last,
             # holding no query tokens): query_order is then the identity and a backend needs no
             # permutation of q or the output.
-            order = np.concatenate([np.flatnonzero(qo > 0), np.flatnonzero(qo == 0)])
+            order = np.concatenate([np.flatnonzero(active), np.flatnonzero(~active)])
             qo_planned = qo[order]
             np.cumsum(qo_planned, out=qo_indptr[1:])
+            qo_at = qo_indptr.tolist()
 
         num_shared = max((n.level + 1 for n in nodes), default=0)
         levels = [
-            _shared_level([n for n in nodes if n.level == d], pages, order, qo_indptr, page_size)
+            _shared_level([n for n in nodes if n.level == d], pages, order, qo_at, page_size)
             for d in range(num_shared)
         ]
         levels.append(_unique_level(pages, order, kv, qo_planned, qo_indptr, shared_end, page_size))
+        if unchecked:
+            _check_read_page_ids(pages, -(-kv // page_size), active, low, levels[-1].kv_indices)
 
         inverse = np.empty(batch, dtype=_I32)
         inverse[order] = np.arange(batch, dtype=_I32)
@@ -159,15 +166,16 @@ class CascadePlanner:
         min_saved = _MIN_SAVED_TOKENS if self.min_saved_tokens is None else self.min_saved_tokens
         kept: list[_Node] = []
         path: list[_Node] = []  # kept ancestors of the current node, outermost first
+        deepest = self.max_levels - 1  # shared levels
         for depth, lo, hi in intervals:
             while path and path[-1].hi <= lo:
                 path.pop()
-            if len(path) >= self.max_levels - 1:
+            if len(path) >= deepest:
                 continue
             start = path[-1].end if path else 0
             tokens = (depth - start) * page_size
             if tokens >= min_shared and (hi - lo - 1) * tokens >= min_saved:
-                node = _Node(level=len(path), lo=lo, hi=hi, start=start, end=depth)
+                node = _Node(len(path), lo, hi, start, depth)
                 kept.append(node)
                 path.append(node)
         return kept
@@ -188,14 +196,14 @@ _LCP_BLOCK = 64
 def _cascade_features(
     nodes: list[_Node],
     qo_planned: np.ndarray,
-    qo_indptr: np.ndarray,
+    qo_at: list[int],
     kv_planned: np.ndarray,
     shared_end: np.ndarray,
     page_size: int,
 ) -> PlanFeatures:
-    """``cost_model.plan_features`` of the plan these nodes make, without building it."""
+    """``cost_model.plan_features`` of the plan these nodes make, without building it. ``qo_at``:
+    the planned query offsets (``batch + 1``)."""
     kv_tokens = pairs = 0.0
-    qo_at = qo_indptr.tolist()
     for node in nodes:
         tokens = (node.end - node.start) * page_size
         kv_tokens += tokens
@@ -211,8 +219,9 @@ def _validate(
     kv_lens: Sequence[int] | np.ndarray,
     qo_lens: Sequence[int] | np.ndarray,
     page_size: int,
-) -> tuple[np.ndarray, np.ndarray, Pages, int]:
-    """Checked int64 lengths, the pages (``Pages``) and the page size as an int. Nothing is
+) -> tuple[np.ndarray, np.ndarray, Pages, int, bool]:
+    """Checked int64 lengths, the pages (``Pages``), the page size as an int, and whether the page ids
+    are still to be checked (int32 ones: ``_check_read_page_ids``, once planned). Nothing is
     converted that is not already an integer: floats (NaN too), bools and arrays of the wrong rank
     raise, naming the argument."""
     if isinstance(page_size, bool) or not isinstance(page_size, int | np.integer):
@@ -231,9 +240,10 @@ def _validate(
             f"block_tables, kv_lens and qo_lens must have one entry per request, got "
             f"{len(block_tables)}, {kv.shape[0]} and {qo.shape[0]}"
         )
-    if (kv < 0).any() or (qo < 0).any():
-        raise ValueError("kv_lens and qo_lens must be >= 0")
-    if (qo > kv).any():
+    # A negative kv_len has a negative qo_len or one above it: one test for the three, then which.
+    if qo.min(initial=0) < 0 or (qo > kv).any():
+        if (kv < 0).any() or (qo < 0).any():
+            raise ValueError("kv_lens and qo_lens must be >= 0")
         i = int(np.argmax(qo > kv))
         raise ValueError(f"request {i}: qo_len {qo[i]} exceeds kv_len {kv[i]} (queries are part of the KV)")
     if int(qo.sum()) > _I32_MAX:  # query offsets are int32
@@ -248,15 +258,13 @@ def _validate(
                 f"request {i}: {block_tables.shape[1]} pages for kv_len {kv[i]}, needs {num_pages[i]}"
             )
         matrix = block_tables[:, :width]
-        # Every entry in range (unused ones too) is the common case and one pass (int32 entries are
-        # never above the range: only their minimum is looked at); otherwise look at the used
-        # entries only.
-        if matrix.size and (matrix.min() < 0 or (matrix.dtype != _I32 and matrix.max() > _I32_MAX)):
-            used = np.arange(width) < num_pages[:, None]
-            low, high = np.where(used, matrix, 0).min(), np.where(used, matrix, 0).max()
-            if low < 0 or high > _I32_MAX:
-                raise ValueError(f"page ids must be in [0, 2**31), got range [{low}, {high}]")
-        return kv, qo, matrix.astype(_I32, copy=False), page_size
+        if matrix.dtype == _I32:
+            return kv, qo, matrix, page_size, True
+        # Every entry in range (unused ones too) is the common case and one pass; otherwise look at
+        # the used entries only.
+        if matrix.size and (matrix.min() < 0 or matrix.max() > _I32_MAX):
+            _check_page_ids(matrix, num_pages)
+        return kv, qo, matrix.astype(_I32), page_size, False
     tables = [
         # Integer numpy rows (the fast path) are taken as they are; anything else is checked.
         (
@@ -269,10 +277,40 @@ def _validate(
     for i, (pages, n) in enumerate(zip(tables, num_pages.tolist(), strict=True)):
         if pages.shape[0] < n:
             raise ValueError(f"request {i}: {pages.shape[0]} pages for kv_len {kv[i]}, needs {n}")
-    used = np.concatenate(tables) if tables else np.zeros(0, dtype=_I32)
-    if used.size and (used.min() < 0 or used.max() > _I32_MAX):
-        raise ValueError(f"page ids must be in [0, 2**31), got range [{used.min()}, {used.max()}]")
-    return kv, qo, [pages.astype(_I32, copy=False) for pages in tables], page_size
+    if all(pages.dtype == _I32 for pages in tables):
+        return kv, qo, tables, page_size, True
+    _check_page_ids(tables, num_pages)
+    return kv, qo, [pages.astype(_I32, copy=False) for pages in tables], page_size, False
+
+
+def _check_page_ids(pages: np.ndarray | list[np.ndarray], num_pages: np.ndarray) -> None:
+    """Raise unless every used page id (``pages[i][:num_pages[i]]``) is in [0, 2**31)."""
+    if isinstance(pages, np.ndarray):
+        used = np.arange(pages.shape[1]) < num_pages[:, None]
+        ids = np.where(used, pages, 0)
+    else:
+        ids = np.concatenate([row[:n] for row, n in zip(pages, num_pages.tolist(), strict=True)] or [[]])
+    low, high = (int(ids.min()), int(ids.max())) if ids.size else (0, 0)
+    if low < 0 or high > _I32_MAX:
+        raise ValueError(f"page ids must be in [0, 2**31), got range [{low}, {high}]")
+
+
+def _check_read_page_ids(
+    pages: Pages, num_pages: np.ndarray, active: np.ndarray, low: int, own: np.ndarray
+) -> None:
+    """The range check of int32 page ids (only negative ones are out of range), made on what the
+    plan read rather than in a pass of its own: ``low`` is the smallest shareable page id of the
+    requests with queries, ``own`` the unique level's page ids (the rest of their pages); the pages
+    of requests without queries are looked at here."""
+    low = min(low, int(own.min(initial=0)))
+    idle = np.flatnonzero(~active)
+    if idle.size and isinstance(pages, np.ndarray):
+        low = min(low, int(pages[idle].min(initial=0)))  # unused entries too: a second look if < 0
+    elif idle.size:
+        spans = zip(idle.tolist(), num_pages[idle].tolist(), strict=True)
+        low = min(low, *(int(pages[i][:n].min(initial=0)) for i, n in spans))
+    if low < 0:
+        _check_page_ids(pages, num_pages)
 
 
 def _int_vector(name: str, values: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -303,11 +341,14 @@ def _check_int_dtype(name: str, arr: np.ndarray) -> None:
         raise TypeError(f"{name} must hold integers, got {what}")
 
 
-def _sort_and_lcp(pages: Pages, shareable: np.ndarray, active: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(order, lcp). order: planned order, requests with queries sorted by their shareable pages, so
-    that requests sharing a prefix are contiguous (the DFS order of the trie), requests without
+def _sort_and_lcp(
+    pages: Pages, shareable: np.ndarray, active: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """(order, lcp, low). order: planned order, requests with queries sorted by their shareable pages,
+    so that requests sharing a prefix are contiguous (the DFS order of the trie), requests without
     queries last; stable: equal tables keep the engine's order. lcp[i]: pages that planned requests
-    i and i+1 (both with queries) share at the start of their shareable pages.
+    i and i+1 (both with queries) share at the start of their shareable pages. low: the smallest
+    shareable page id read, or 0 if smaller (negative only if one of them is).
 
     The order is that of the byte strings of the shareable pages (int32, native byte order), a
     prefix before its extensions."""
@@ -315,7 +356,7 @@ def _sort_and_lcp(pages: Pages, shareable: np.ndarray, active: np.ndarray) -> tu
     inactive = np.flatnonzero(~active)
     width = int(shareable.max(initial=0))
     if ids.size < 2 or width == 0:
-        return np.concatenate([ids, inactive]), np.zeros(max(ids.size - 1, 0), dtype=np.int64)
+        return np.concatenate([ids, inactive]), np.zeros(max(ids.size - 1, 0), dtype=np.int64), 0
     share = shareable[ids]
     # One key row per request: its shareable pages, zeros after them, and its shareable count
     # big-endian last. numpy sorts such rows as void items, comparing bytes (memcmp): in the order of
@@ -323,26 +364,40 @@ def _sort_and_lcp(pages: Pages, shareable: np.ndarray, active: np.ndarray) -> tu
     # and the count then puts the prefix first. Any fixed-width encoding of the page ids groups
     # common prefixes. (One 2 MB temporary at most at 256 x 2000 pages: a larger peak makes the heap
     # shrink and fault in again on every plan, costing more than the sort.)
+    # Rows are written through their flat view (one slice per row, cheaper than a row's).
     if isinstance(pages, np.ndarray):
         rows = pages[ids, : width + 1]  # a request with queries has more pages than it can share
-        for i in np.flatnonzero(share < width).tolist():
-            rows[i, share[i] : width] = 0
+        flat = rows.reshape(-1)
+        short = np.flatnonzero(share < width)
+        starts = short * (width + 1)
+        for start, n in zip(starts.tolist(), share[short].tolist(), strict=True):
+            flat[start + n : start + width] = 0
     else:
         rows = np.zeros((ids.shape[0], width + 1), dtype=_I32)
-        for row, i, n in zip(rows, ids.tolist(), share.tolist(), strict=True):
-            row[:n] = pages[i][:n]
+        flat = rows.reshape(-1)
+        for start, i, n in zip(range(0, flat.shape[0], width + 1), ids.tolist(), share.tolist(), strict=True):
+            flat[start : start + n] = pages[i][:n]
+    rows[:, width] = 0
+    low = int(flat.min())  # the pages and their zero padding
     rows[:, width] = share.astype(">i4").view(_I32)
     perm = np.argsort(rows.view(np.dtype((np.void, rows.itemsize * (width + 1)))).ravel(), kind="stable")
     # Neighbours' first difference (a padding zero may equal a page id: the shareable counts cap it),
-    # a block of sorted rows at a time, so that no sorted copy of every row is made.
+    # a block of sorted rows at a time, so that no sorted copy of every row is made. The rows sorted
+    # between two rows agree with both on every column where those two agree: a block's first and
+    # last rows give columns that all its rows share, and only the columns after them are compared.
+    # The count column is taken as differing, so rows equal on every page differ "at" width.
+    starts = np.arange(0, perm.shape[0] - 1, _LCP_BLOCK)
+    outer = rows[perm[starts]] != rows[perm[np.minimum(starts + _LCP_BLOCK, perm.shape[0] - 1)]]
+    outer[:, width] = True
     first = np.empty(perm.shape[0] - 1, dtype=np.int64)
-    for lo in range(0, first.shape[0], _LCP_BLOCK):
-        block = rows[perm[lo : lo + _LCP_BLOCK + 1], :width]
+    for lo, shared in zip(starts.tolist(), outer.argmax(axis=1).tolist(), strict=True):
+        block = rows[perm[lo : lo + _LCP_BLOCK + 1], shared:]
         differ = block[1:] != block[:-1]
-        at = differ.argmax(axis=1)
-        first[lo : lo + at.shape[0]] = np.where(differ[np.arange(at.shape[0]), at], at, width)
+        differ[:, -1] = True
+        first[lo : lo + differ.shape[0]] = differ.argmax(axis=1) + shared
     share = share[perm]
-    return np.concatenate([ids[perm], inactive]), np.minimum(first, np.minimum(share[:-1], share[1:]))
+    lcp = np.minimum(first, np.minimum(share[:-1], share[1:]))
+    return np.concatenate([ids[perm], inactive]), lcp, low
 
 
 def _lcp_intervals(lcp: np.ndarray) -> list[tuple[int, int, int]]:
@@ -350,9 +405,13 @@ def _lcp_intervals(lcp: np.ndarray) -> list[tuple[int, int, int]]:
     that share `pages` > 0 pages, as (pages, lo, hi), in pre-order (ancestors first)."""
     found: list[tuple[int, int, int]] = []
     open_runs: list[tuple[int, int]] = []  # (pages, lo), pages increasing
-    values = lcp.tolist()
-    for i in range(len(values) + 1):
-        value = values[i] if i < len(values) else 0  # the end closes every run
+    # A position whose value equals its left neighbour's opens and closes nothing: visit the others
+    # (and the end, a 0 that closes every run).
+    padded = np.zeros(lcp.shape[0] + 2, dtype=np.int64)  # a 0 before the first and after the last
+    padded[1:-1] = lcp
+    values = padded[1:]
+    changes = np.flatnonzero(values != padded[:-1])
+    for i, value in zip(changes.tolist(), values[changes].tolist(), strict=True):
         lo = i
         while open_runs and open_runs[-1][0] > value:
             pages, lo = open_runs.pop()
@@ -367,31 +426,33 @@ def _shared_level(
     nodes: list[_Node],
     pages: Pages,
     order: np.ndarray,
-    qo_indptr: np.ndarray,
+    qo_at: list[int],
     page_size: int,
 ) -> CascadeLevel:
-    """One group per node of this level, and one group without KV per run of requests between them."""
-    qo_at = qo_indptr.tolist()
+    """One group per node of this level, and one group without KV per run of requests between them.
+    ``qo_at``: the planned query offsets (``batch + 1``)."""
     group_qo = [0]
     group_pages: list[np.ndarray] = []
+    num_pages: list[int] = []
     position = 0
+    rows = order.tolist()
     for node in sorted(nodes, key=lambda n: n.lo):
         if qo_at[node.lo] > qo_at[position]:
             group_qo.append(qo_at[node.lo])
-            group_pages.append(np.zeros(0, dtype=_I32))
+            num_pages.append(0)
         group_qo.append(qo_at[node.hi])
         # Members share these pages by construction; any member's table gives them.
-        group_pages.append(pages[order[node.lo]][node.start : node.end])
+        group_pages.append(pages[rows[node.lo]][node.start : node.end])
+        num_pages.append(node.end - node.start)
         position = node.hi
     if qo_at[-1] > qo_at[position]:
         group_qo.append(qo_at[-1])
-        group_pages.append(np.zeros(0, dtype=_I32))
-    num_pages = np.array([p.shape[0] for p in group_pages], dtype=np.int64)
+        num_pages.append(0)
     return CascadeLevel(
         qo_indptr=np.array(group_qo, dtype=_I32),
-        kv_indptr=_indptr(num_pages),
+        kv_indptr=np.array([0, *itertools.accumulate(num_pages)], dtype=_I32),
         kv_indices=_concat(group_pages),
-        kv_last_page_len=np.where(num_pages > 0, page_size, 0).astype(_I32),
+        kv_last_page_len=np.array([page_size if n else 0 for n in num_pages], dtype=_I32),
         causal=False,
     )
 
@@ -409,18 +470,23 @@ def _unique_level(
     queries). Always non-empty for a request with queries: shared segments stop before new tokens."""
     kv_planned = kv[order]
     end = np.where(qo_planned > 0, -(-kv_planned // page_size), shared_end)
-    spans = zip(order.tolist(), shared_end.tolist(), end.tolist(), strict=True)
-    # A 2-D array is sliced in one indexing step per request (no row view in between).
-    own = (
-        [pages[r, s:e] for r, s, e in spans]
-        if isinstance(pages, np.ndarray)
-        else [pages[r][s:e] for r, s, e in spans]
-    )
+    first, stop = (int(shared_end[0]), int(end[0])) if end.size else (0, 0)
+    if isinstance(pages, np.ndarray) and (shared_end == first).all() and (end == stop).all():
+        # Every request reads the same columns (samples of one prompt in step): one 2-D gather.
+        own = pages[order, first:stop].reshape(-1)
+    else:
+        spans = zip(order.tolist(), shared_end.tolist(), end.tolist(), strict=True)
+        # A 2-D array is sliced in one indexing step per request (no row view in between).
+        own = _concat(
+            [pages[r, s:e] for r, s, e in spans]
+            if isinstance(pages, np.ndarray)
+            else [pages[r][s:e] for r, s, e in spans]
+        )
     last = np.where(end > shared_end, kv_planned - (end - 1) * page_size, 0)
     return CascadeLevel(
         qo_indptr=qo_indptr.astype(_I32),
         kv_indptr=_indptr(end - shared_end),
-        kv_indices=_concat(own),
+        kv_indices=own,
         kv_last_page_len=last.astype(_I32),
         causal=True,
     )
@@ -428,6 +494,8 @@ def _unique_level(
 
 def _query_order(qo: np.ndarray, order: np.ndarray, qo_indptr: np.ndarray) -> np.ndarray:
     """Planned query token t -> engine query token; each request's queries stay contiguous."""
+    if qo_indptr[-1] == qo.shape[0] and qo.min(initial=1) == 1:
+        return order  # one query per request (decode): the tokens follow the requests
     engine_start = np.cumsum(qo) - qo
     lens = qo[order]
     shift = np.repeat(engine_start[order] - qo_indptr[:-1], lens)

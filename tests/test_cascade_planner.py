@@ -90,6 +90,48 @@ def test_plan_is_well_formed(batch: Batch, planner: CascadePlanner) -> None:
     assert len(plan.levels) <= planner.max_levels
 
 
+def as_2d(batch: Batch, fill: int) -> np.ndarray:
+    """The batch's tables as one int32 array, rows padded with ``fill`` past their pages."""
+    width = max((len(t) for t in batch.block_tables), default=0) + 2
+    table = np.full((len(batch.block_tables), width), fill, dtype=np.int32)
+    for row, pages in zip(table, batch.block_tables, strict=True):
+        row[: len(pages)] = pages
+    return table
+
+
+def assert_same_plan(got: CascadePlan, want: CascadePlan) -> None:
+    for a, b in zip(got.levels, want.levels, strict=True):
+        for name in ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len"):
+            assert getattr(a, name).tolist() == getattr(b, name).tolist(), name
+    assert got.request_order.tolist() == want.request_order.tolist()
+    assert got.query_order.tolist() == want.query_order.tolist()
+
+
+@settings(max_examples=200, deadline=None)
+@given(batch=batches(), planner=planners, fill=st.sampled_from([-1, 0, 7]))
+def test_a_2d_table_plans_like_its_rows(batch: Batch, planner: CascadePlanner, fill: int) -> None:
+    """The 2-D array path (its own gathers and page id checks) against the list of rows, which
+    check_plan verifies on its own."""
+    want = plan_of(batch, planner)
+    assert_same_plan(planner.plan(as_2d(batch, fill), batch.kv_lens, batch.qo_lens, batch.page_size), want)
+
+
+@pytest.mark.parametrize("groups", [[(40, 8)], [(40, 8), (40, 8)], [(0, 5)], [(3, 1)]])
+def test_samples_in_step_plan_like_their_rows(groups: list[tuple[int, int]]) -> None:
+    """Requests whose own pages sit in the same columns (samples of one prompt decoding in step) take
+    the unique level's one-gather path from a 2-D array; lengths one token apart take the other."""
+    batch = decode_batch(groups, unique_pages=3)
+    for planner in (CascadePlanner(), CascadePlanner(min_shared_tokens=16, min_saved_tokens=0)):
+        want = plan_of(batch, planner)
+        assert_same_plan(planner.plan(as_2d(batch, -1), batch.kv_lens, batch.qo_lens, 16), want)
+        ragged = Batch(
+            batch.block_tables, batch.kv_lens - np.arange(len(batch.kv_lens)) % 2 * 16, batch.qo_lens, 16, 0
+        )
+        assert_same_plan(
+            planner.plan(as_2d(ragged, -1), ragged.kv_lens, ragged.qo_lens, 16), plan_of(ragged, planner)
+        )
+
+
 @settings(max_examples=100, deadline=None)
 @given(batch=batches())
 def test_eager_planner_shares_every_shared_page(batch: Batch) -> None:
@@ -321,6 +363,38 @@ def test_entries_past_the_used_pages_are_not_checked() -> None:
         assert a.kv_indices.tolist() == b.kv_indices.tolist() and a.qo_indptr.tolist() == b.qo_indptr.tolist()
 
 
+@pytest.mark.parametrize("container", ["2-D int32", "rows int32", "2-D int64"])
+@pytest.mark.parametrize(
+    ("requests", "column", "raises"),
+    [
+        ([0, 1, 2], 5, True),  # in the prefix shared by requests 0-2 (a shared level)
+        ([0], 5, True),  # a page request 0 no longer shares (the unique level)
+        ([1], 70, True),  # past the shared prefix
+        ([2], 99, True),  # the last page, holding the query
+        ([3], 5, True),  # a request without queries: read by no level, checked all the same
+        ([1], 100, False),  # past request 1's 100 pages: not checked
+        ([3], 60, False),  # past request 3's 50 pages
+    ],
+)
+def test_negative_page_ids_raise_wherever_they_are_used(
+    container: str, requests: list[int], column: int, raises: bool
+) -> None:
+    """int32 page ids are range-checked where the planner reads them (no pass of their own): a
+    negative used id raises wherever it sits, one past a request's pages does not."""
+    tables = np.arange(4 * 104, dtype=np.int32).reshape(4, 104)
+    tables[:3, :64] = np.arange(64)  # requests 0-2 share 64 pages
+    tables[requests, column] = -7
+    kv, qo = [100 * 16, 100 * 16, 100 * 16, 50 * 16], [1, 1, 1, 0]
+    pages = {"2-D int32": tables, "rows int32": list(tables), "2-D int64": tables.astype(np.int64)}[container]
+    for planner in (CascadePlanner(), CascadePlanner(min_shared_tokens=16, min_saved_tokens=0)):
+        if raises:
+            with pytest.raises(ValueError, match=r"page ids must be in \[0, 2\*\*31\), got range \[-7, "):
+                planner.plan(pages, kv, qo, 16)
+        else:
+            plan = planner.plan(pages, kv, qo, 16)
+            assert all((level.kv_indices >= 0).all() for level in plan.levels)
+
+
 def test_integer_inputs_of_any_width_and_container_plan_alike() -> None:
     tables = np.array([np.arange(40), np.arange(40)])
     reference = CascadePlanner(min_shared_tokens=16, min_saved_tokens=0).plan(tables, [640, 640], [1, 1], 16)
@@ -399,7 +473,7 @@ def test_sort_and_lcp_match_their_definition(data: st.DataObject) -> None:
     share = np.where(active, rng.integers(0, width + 1, size=n), 0)
     want_order, want_lcp = _sorted_by_bytes_and_lcp(tables, share, active)
     for pages in (tables, [row[: s + 1] for row, s in zip(tables, share, strict=True)]):
-        order, lcp = _sort_and_lcp(pages, share, active)
+        order, lcp, _ = _sort_and_lcp(pages, share, active)
         assert order.tolist() == want_order
         assert lcp.tolist() == want_lcp
 
@@ -410,5 +484,5 @@ def test_sort_and_lcp_put_a_prefix_before_its_extension() -> None:
 
     tables = np.zeros((3, 301), dtype=np.int32)
     share = np.array([300, 256, 1])
-    order, lcp = _sort_and_lcp(tables, share, np.ones(3, dtype=bool))
+    order, lcp, _ = _sort_and_lcp(tables, share, np.ones(3, dtype=bool))
     assert order.tolist() == [2, 1, 0] and lcp.tolist() == [1, 256]

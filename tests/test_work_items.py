@@ -1,5 +1,5 @@
-"""``level_work`` against a per-group loop that writes each work item as the work.py docstring
-defines it (host-side numpy only, no kernels)."""
+"""``level_work`` and ``levels_work`` against a per-group loop that writes each work item as the
+work.py docstring defines it (host-side numpy only, no kernels)."""
 
 import numpy as np
 import pytest
@@ -8,6 +8,7 @@ from prefix_cache.kernels.work import (
     KV0,
     KV1,
     NO_MASK,
+    OROW,
     PAGE0,
     Q0,
     Q1,
@@ -16,6 +17,8 @@ from prefix_cache.kernels.work import (
     TileConfig,
     check_level,
     level_work,
+    levels_work,
+    longest_first,
 )
 
 
@@ -72,3 +75,65 @@ def test_level_work_matches_a_loop_over_groups(seed: int) -> None:
         )  # fmt: skip
         assert work.tolist() == want_items
         assert splits.tolist() == want_splits
+
+
+def _random_level(rng: np.random.Generator, q_len: np.ndarray, page_size: int):
+    """A level over the query tokens ``q_len`` splits into groups (some without queries or KV)."""
+    groups = q_len.shape[0]
+    pages = rng.integers(0, 30, groups) * (rng.random(groups) < 0.8)
+    last = np.where(pages > 0, rng.integers(1, page_size + 1, groups), 0)
+    qo, kvp = np.concatenate([[0], np.cumsum(q_len)]), np.concatenate([[0], np.cumsum(pages)])
+    return check_level(qo, kvp, rng.integers(0, 99, int(kvp[-1])), last, page_size)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_levels_work_is_each_levels_work_laid_end_to_end(seed: int) -> None:
+    """One pass over several levels: level i's items are the per-group loop's for its own tile,
+    causality and chunk, their pages counted from the levels' kv_indices laid end to end and their
+    partial rows from i * row_stride."""
+    rng = np.random.default_rng(100 + seed)
+    for _ in range(10):
+        nq = int(rng.integers(0, 60))
+        page_size, group_size = int(rng.choice([1, 16])), int(rng.choice([1, 4]))
+        levels, causal, tiles = [], [], []
+        for _ in range(int(rng.integers(1, 5))):
+            cut = np.sort(rng.integers(0, nq + 1, int(rng.integers(0, 6))))
+            q_len = np.diff(np.concatenate([[0], cut, [nq]]))
+            levels.append(_random_level(rng, q_len, page_size))
+            causal.append(bool(rng.random() < 0.5))
+            tiles.append(TileConfig(int(rng.choice([16, 64, 128])), int(rng.choice([16, 32])), 4, 1))
+        chunk, stride = int(rng.integers(1, 200)), nq + int(rng.integers(0, 3))
+        work, splits, item_level = levels_work(
+            levels, causal=causal, tiles=tiles, group_size=group_size, num_kv_heads=2, sms=4,
+            kv_chunk_size=chunk, max_splits=8, row_stride=stride,
+        )  # fmt: skip
+        want_items, want_splits, want_level, page_base = [], [], [], 0
+        for i, level in enumerate(levels):
+            items, token_splits = _reference(
+                level.qo_indptr, level.kv_indptr, level.kv_len, causal=causal[i], group_size=group_size,
+                tile=tiles[i], chunk=chunk, max_splits=8,
+            )  # fmt: skip
+            for row in items:
+                row[PAGE0] += page_base
+                row[OROW] = i * stride
+            want_items += items
+            want_splits.append(token_splits)
+            want_level += [i] * len(items)
+            page_base += level.kv_indices.shape[0]
+        assert work.tolist() == want_items
+        assert splits.tolist() == want_splits
+        assert item_level.tolist() == want_level
+
+
+def test_longest_first_by_launch() -> None:
+    """Items of launch 0 first, then launch 1, each by decreasing KV x (queries + 1), ties in order."""
+    rng = np.random.default_rng(5)
+    work = np.zeros((200, WORK_COLS), dtype=np.int64)
+    work[:, KV1] = rng.integers(0, 5, 200) * 64
+    work[:, Q1] = rng.integers(1, 3, 200)
+    work[:, SPLIT] = np.arange(200)  # identifies an item
+    launch = rng.integers(0, 2, 200)
+    cost = work[:, KV1] * (work[:, Q1] + 1)
+    want = sorted(range(200), key=lambda i: (launch[i], -cost[i], i))
+    assert longest_first(work, launch)[:, SPLIT].tolist() == want
+    assert longest_first(work)[:, SPLIT].tolist() == sorted(range(200), key=lambda i: (-cost[i], i))

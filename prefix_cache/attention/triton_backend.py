@@ -29,13 +29,11 @@ from prefix_cache.kernels.attention import AttentionLaunch
 from prefix_cache.kernels.merge_state import MergeLaunch
 from prefix_cache.kernels.work import (
     MAX_SPLITS,
-    OROW,
-    PAGE0,
     WORK_COLS,
     TileConfig,
     check_level,
     fixed_tile_configs,
-    level_work,
+    levels_work,
     longest_first,
     tile_config,
 )
@@ -225,29 +223,28 @@ class TritonBackend(AttentionBackend):
         return next((tile for tile in tiles if rows <= tile.block_m), tiles[-1])
 
     def _schedule(self, plan, levels, tiles, kv_chunk_size, max_splits=MAX_SPLITS):
-        """Work items of every level, by tile: ({tile: [work arrays]}, splits [levels, nq])."""
+        """Work items of every level, one list per tile, longest first: (tiles, [work per tile],
+        splits [levels, nq]). ``tiles`` None: each level's own tile, the tiles in order of first use;
+        else the fixed (narrow, wide) pair, both listed (with no items if no level uses one)."""
         group = self.num_qo_heads // self.num_kv_heads
-        sms = num_sms(self.device)
-        by_tile: dict[TileConfig, list[np.ndarray]] = {}
-        splits = np.zeros((len(levels), plan.num_query_tokens), dtype=np.int64)
-        kv_base = 0
-        for i, (level, source) in enumerate(zip(levels, plan.levels, strict=True)):
-            tile = self._tile_for(level, tiles, plan.page_size)
-            work, splits[i] = level_work(
-                level, causal=source.causal, group_size=group, num_kv_heads=self.num_kv_heads, tile=tile,
-                sms=sms, kv_chunk_size=kv_chunk_size, max_splits=max_splits,
-            )  # fmt: skip
-            work[:, PAGE0] += kv_base
-            work[:, OROW] = i * plan.num_query_tokens if self.capacity is None else i * self._tokens_cap
-            kv_base += level.kv_indices.shape[0]
-            by_tile.setdefault(tile, []).append(work)
-        return by_tile, splits
+        level_tiles = [self._tile_for(level, tiles, plan.page_size) for level in levels]
+        used = list(dict.fromkeys(level_tiles)) if tiles is None else list(tiles)
+        work, splits, item_level = levels_work(
+            levels, causal=[source.causal for source in plan.levels], tiles=level_tiles, group_size=group,
+            num_kv_heads=self.num_kv_heads, sms=num_sms(self.device), kv_chunk_size=kv_chunk_size,
+            max_splits=max_splits,
+            row_stride=plan.num_query_tokens if self.capacity is None else self._tokens_cap,
+        )  # fmt: skip
+        if len(used) == 1:
+            return used, [longest_first(work)], splits
+        launch = np.array([used.index(tile) for tile in level_tiles])[item_level]
+        work = longest_first(work, launch)
+        ends = np.cumsum(np.bincount(launch, minlength=len(used))).tolist()
+        return used, [work[start:end] for start, end in zip([0, *ends], ends, strict=False)], splits
 
     def _prepare_exact(self, plan: CascadePlan, levels, order: np.ndarray) -> None:
         nq = plan.num_query_tokens
-        by_tile, splits = self._schedule(plan, levels, None, self.kv_chunk_size)
-        tiles = list(by_tile)
-        works = [longest_first(np.concatenate(by_tile[t])) for t in tiles]
+        tiles, works, splits = self._schedule(plan, levels, None, self.kv_chunk_size)
         rows_per_token = splits.sum(axis=0)
         pages = sum(level.kv_indices.shape[0] for level in levels)
         sec = _Sections([w.shape[0] for w in works], pages, len(levels), nq)
@@ -307,8 +304,8 @@ class TritonBackend(AttentionBackend):
         tiles = fixed_tile_configs(group, self.head_dim, plan.page_size)
         # Splits that do not fit the fixed buffers are cut down, not dropped: fewer, longer splits.
         for max_splits in (MAX_SPLITS, 16, 8, 4, 2, 1):
-            by_tile, splits = self._schedule(plan, levels, tiles, self.kv_chunk_size, max_splits)
-            items = [sum(w.shape[0] for w in by_tile.get(t, [])) for t in tiles]
+            _, works, splits = self._schedule(plan, levels, tiles, self.kv_chunk_size, max_splits)
+            items = [w.shape[0] for w in works]
             rows = int(splits.sum())
             if max(items) <= cap.work_items and rows <= cap.partial_rows:
                 break
@@ -317,10 +314,6 @@ class TritonBackend(AttentionBackend):
                 f"the plan needs {max(items)} work items and {rows} partial rows, over the backend's "
                 f"capacity of {cap.work_items} and {cap.partial_rows}"
             )
-        works = [
-            longest_first(np.concatenate(by_tile[t])) if t in by_tile else np.zeros((0, WORK_COLS), np.int64)
-            for t in tiles
-        ]
         sec = _Sections([cap.work_items] * len(tiles), cap.max_pages, cap.max_levels, cap.max_query_tokens)
         if self._fixed_shape is None:
             self._ints = torch.zeros(sec.size, dtype=torch.int32, device=self.device)
@@ -347,12 +340,11 @@ class TritonBackend(AttentionBackend):
         for level in levels:
             host[at : at + level.kv_indices.shape[0]] = level.kv_indices
             at += level.kv_indices.shape[0]
-        rows_per_token = splits.sum(axis=0)
+        through = np.cumsum(splits, axis=0)  # a token's rows in the levels up to each
+        rows_per_token = through[-1]
         starts = np.cumsum(rows_per_token) - rows_per_token
-        before = np.cumsum(splits, axis=0) - splits  # rows of the levels before, per token
-        for i in range(len(levels)):
-            at = sec.o_rows + i * token_stride
-            host[at : at + nq] = starts + before[i]
+        rows = host[sec.o_rows : sec.o_rows + len(levels) * token_stride].reshape(len(levels), token_stride)
+        rows[:, :nq] = through - splits + starts
         host[sec.q_rows : sec.q_rows + nq] = order
         host[sec.starts : sec.starts + nq] = starts
         host[sec.counts : sec.counts + nq] = rows_per_token
