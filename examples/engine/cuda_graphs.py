@@ -155,14 +155,7 @@ class DecodeGraphs:
         b = self._get(size)
         if not fits(plan, b.backend.capacity):
             return None
-        c = self.model.config
-        b.backend.plan(
-            plan,
-            num_qo_heads=c.num_qo_heads,
-            num_kv_heads=c.num_kv_heads,
-            head_dim=c.head_dim,
-            q_dtype=self.model.dtype,
-        )
+        b.backend.plan(plan, **self.model.attention_shape())
         n = len(tokens)
         b.host[:] = PADDING  # token 0 at position 0, no KV slot, row 0 (never read)
         b.host[0, :n], b.host[1, :n], b.host[2, :n] = tokens, positions, slots

@@ -177,16 +177,10 @@ class LLMEngine:
         slots: np.ndarray,
         rows: np.ndarray,
     ) -> torch.Tensor:
-        cfg, device = self.model.config, self.model.device
+        device = self.model.device
         # With the dtype the backend finishes planning here (Triton binds its launches, FlashInfer
         # plans, "auto" may take the FlashInfer route) rather than in the first layer's run.
-        self.backend.plan(
-            plan,
-            num_qo_heads=cfg.num_qo_heads,
-            num_kv_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim,
-            q_dtype=self.model.dtype,
-        )
+        self.backend.plan(plan, **self.model.attention_shape())
 
         def to_device(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(a).to(device)

@@ -105,6 +105,14 @@ class LlamaModel:
         lm_head = embed if config.tie_word_embeddings else rand(config.vocab_size, h)
         return cls(config, layers, embed, ones(), lm_head)
 
+    def attention_shape(self) -> dict:
+        """The keyword arguments of an attention backend's ``plan`` for this model: its heads, head
+        dim and dtype (with the dtype the backend finishes planning in ``plan``)."""
+        c = self.config
+        return dict(
+            num_qo_heads=c.num_qo_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, q_dtype=self.dtype
+        )
+
     def new_kv_pool(self, num_pages: int, page_size: int) -> list[torch.Tensor]:
         """Per layer, ``[num_pages, 2, page_size, num_kv_heads, head_dim]`` in the model's dtype."""
         c = self.config
