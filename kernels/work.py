@@ -116,13 +116,13 @@ def _as_int_array(name: str, a: np.ndarray | torch.Tensor, *, widen: bool = True
 
 
 def _page_id_bound(ids: np.ndarray) -> int:
-    """One past the largest page id in ``ids`` (non-empty, integer), or 2**31 or more when any id is
-    outside [0, 2**31). Signed ids of 4 or 8 bytes in one pass: read as unsigned, a negative id is
-    2**31 or more."""
+    """One past the largest page id in ``ids`` (non-empty, integer): at most 2**31 when every id is in
+    [0, 2**31), more than 2**31 when any is not. Signed ids of 4 or 8 bytes in one pass: read as
+    unsigned, a negative id is 2**31 or more."""
     if ids.dtype.kind == "i" and ids.dtype.itemsize >= 4:
         return int(ids.view(ids.dtype.str.replace("i", "u")).max()) + 1
     if ids.dtype.kind == "i" and ids.min() < 0:
-        return 2**31
+        return 2**32
     return int(ids.max()) + 1
 
 
@@ -252,6 +252,12 @@ def levels_work(
     ``kv_chunk_size`` is given."""
     if kv_chunk_size is not None and kv_chunk_size <= 0:
         raise ValueError(f"kv_chunk_size must be positive, got {kv_chunk_size}")
+    if not levels or len({level.num_query_tokens for level in levels}) != 1:
+        raise ValueError("levels_work needs one or more levels over the same query tokens")
+    if not len(levels) == len(causal) == len(tiles):
+        raise ValueError(
+            f"{len(levels)} levels need as many causal flags and tiles, got {len(causal)} and {len(tiles)}"
+        )
     groups = [level.kv_len.shape[0] for level in levels]
     q_len = np.concatenate([level.q_len for level in levels])
     kv_len = np.concatenate([level.kv_len for level in levels])

@@ -383,8 +383,8 @@ def _sort_and_lcp(
     perm = np.argsort(rows.view(np.dtype((np.void, rows.itemsize * (width + 1)))).ravel(), kind="stable")
     # Neighbours' first difference (a padding zero may equal a page id: the shareable counts cap it),
     # a block of sorted rows at a time, so that no sorted copy of every row is made. The rows sorted
-    # between two rows agree with both on every column where those two agree: a block's first and
-    # last rows give columns that all its rows share, and only the columns after them are compared.
+    # between two rows share the common prefix of those two: a block's first and last rows give
+    # leading columns that all its rows share, and only the columns after them are compared.
     # The count column is taken as differing, so rows equal on every page differ "at" width.
     starts = np.arange(0, perm.shape[0] - 1, _LCP_BLOCK)
     outer = rows[perm[starts]] != rows[perm[np.minimum(starts + _LCP_BLOCK, perm.shape[0] - 1)]]

@@ -237,6 +237,12 @@ def test_plan_level_rejects_bad_input():
         plan_level(np.array([0, 1, 2]), kvp, idx, last, **ok)
     with pytest.raises(ValueError, match="non-decreasing"):
         plan_level(qo, np.array([0, 2]), idx, last, **ok)
+    for dtype in (np.int8, np.int16, np.int32, np.int64):
+        with pytest.raises(ValueError, match="page ids"):
+            plan_level(qo, kvp, np.array([-1], dtype=dtype), last, **ok)
+    with pytest.raises(ValueError, match="page ids"):
+        plan_level(qo, kvp, np.array([2**31]), last, **ok)
+    assert plan_level(qo, kvp, np.array([2**31 - 1]), last, **ok).max_page == 2**31 - 1
 
 
 def test_launch_level_rejects_mismatched_cache():

@@ -7,14 +7,17 @@ from prefix_cache.kernels.work import (
     DIAG,
     KV0,
     KV1,
+    MIN_SPLIT_TOKENS,
     NO_MASK,
     OROW,
     PAGE0,
     Q0,
     Q1,
     SPLIT,
+    UNSPLIT,
     WORK_COLS,
     TileConfig,
+    auto_chunk,
     check_level,
     level_work,
     levels_work,
@@ -123,6 +126,61 @@ def test_levels_work_is_each_levels_work_laid_end_to_end(seed: int) -> None:
         assert work.tolist() == want_items
         assert splits.tolist() == want_splits
         assert item_level.tolist() == want_level
+
+
+def _auto_chunk_reference(
+    kv_len: list[int], programs: list[int], tile: TileConfig, sms: int, max_splits: int
+) -> int:
+    """The model of ``auto_chunk``'s docstring, candidate by candidate."""
+    slots = sms * tile.resident_per_sm()
+    if sum(programs) >= slots or not kv_len:
+        return UNSPLIT
+    longest = max(kv_len)
+    best_cost, best = longest, UNSPLIT
+    for parts in range(2, max_splits + 1):
+        chunk = _cdiv(_cdiv(longest, parts), tile.block_n) * tile.block_n
+        if chunk < MIN_SPLIT_TOKENS:
+            break
+        total = sum(max(_cdiv(n, chunk), 1) * p for n, p in zip(kv_len, programs, strict=True))
+        cost = _cdiv(total, slots) * chunk
+        if cost < 0.9 * best_cost:
+            best_cost, best = cost, chunk
+    return best
+
+
+def test_auto_chunk_follows_its_model_every_call() -> None:
+    """The split length against the docstring's model, on first calls and on repeated (remembered) ones."""
+    rng = np.random.default_rng(11)
+    cases = []
+    for _ in range(300):
+        groups = int(rng.integers(1, 12))
+        kv_len = rng.integers(0, 40000, groups)
+        programs = rng.integers(1, 9, groups)
+        tile = TileConfig(int(rng.choice([16, 64, 128])), int(rng.choice([32, 64, 128])), 4, 2)
+        sms, max_splits = int(rng.integers(1, 140)), int(rng.choice([8, 64]))
+        cases.append((kv_len, programs, tile, sms, max_splits))
+        # The same lengths with other programs, KV tile or SM count: a remembered choice must not leak.
+        other = TileConfig(tile.block_m, 128 if tile.block_n != 128 else 32, 4, 2)
+        cases.append((kv_len, programs * 2, tile, sms, max_splits))
+        cases.append((kv_len, programs, other, sms + 7, max_splits))
+    for _ in range(2):
+        for kv_len, programs, tile, sms, max_splits in cases:
+            want = _auto_chunk_reference(kv_len.tolist(), programs.tolist(), tile, sms, max_splits)
+            assert auto_chunk(kv_len, programs, tile, sms, max_splits) == want
+
+
+def test_levels_work_rejects_levels_that_disagree() -> None:
+    """Levels over different query tokens, or flags and tiles that do not match the levels, raise."""
+    rng = np.random.default_rng(7)
+    two, three = _random_level(rng, np.array([2]), 16), _random_level(rng, np.array([3]), 16)
+    tile = TileConfig(16, 16, 4, 1)
+    common = dict(group_size=1, num_kv_heads=1, sms=4, kv_chunk_size=None, row_stride=3)
+    with pytest.raises(ValueError, match="same query tokens"):
+        levels_work([two, three], causal=[False, True], tiles=[tile, tile], **common)
+    with pytest.raises(ValueError, match="same query tokens"):
+        levels_work([], causal=[], tiles=[], **common)
+    with pytest.raises(ValueError, match="causal flags and tiles"):
+        levels_work([two, two], causal=[True], tiles=[tile, tile], **common)
 
 
 def test_longest_first_by_launch() -> None:
