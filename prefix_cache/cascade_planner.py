@@ -110,7 +110,7 @@ class CascadePlanner:
         # Whole pages of KV computed before this step: the most a request can share.
         shareable = np.where(active, (kv - qo) // page_size, 0)
 
-        order, lcp, low = _sort_and_lcp(pages, shareable, active)
+        order, lcp = _sort_and_lcp(pages, shareable, active)
         nodes = self._choose(_lcp_intervals(lcp), page_size)
 
         qo_planned = qo[order]
@@ -142,7 +142,7 @@ class CascadePlanner:
         ]
         levels.append(_unique_level(pages, order, kv, qo_planned, qo_indptr, shared_end, page_size))
         if unchecked:
-            _check_read_page_ids(pages, -(-kv // page_size), active, low, levels[-1].kv_indices)
+            _check_read_page_ids(pages, -(-kv // page_size), active, levels)
 
         inverse = np.empty(batch, dtype=_I32)
         inverse[order] = np.arange(batch, dtype=_I32)
@@ -296,13 +296,13 @@ def _check_page_ids(pages: np.ndarray | list[np.ndarray], num_pages: np.ndarray)
 
 
 def _check_read_page_ids(
-    pages: Pages, num_pages: np.ndarray, active: np.ndarray, low: int, own: np.ndarray
+    pages: Pages, num_pages: np.ndarray, active: np.ndarray, levels: list[CascadeLevel]
 ) -> None:
     """The range check of int32 page ids (only negative ones are out of range), made on what the
-    plan read rather than in a pass of its own: ``low`` is the smallest shareable page id of the
-    requests with queries, ``own`` the unique level's page ids (the rest of their pages); the pages
-    of requests without queries are looked at here."""
-    low = min(low, int(own.min(initial=0)))
+    plan reads rather than in a pass over every table: each used page of a request with queries is
+    in a level's ``kv_indices`` (a shared segment is read from one member, whose pages the others
+    equal); the pages of requests without queries are looked at here."""
+    low = min(int(level.kv_indices.min(initial=0)) for level in levels)
     idle = np.flatnonzero(~active)
     if idle.size and isinstance(pages, np.ndarray):
         low = min(low, int(pages[idle].min(initial=0)))  # unused entries too: a second look if < 0
@@ -341,51 +341,42 @@ def _check_int_dtype(name: str, arr: np.ndarray) -> None:
         raise TypeError(f"{name} must hold integers, got {what}")
 
 
-def _sort_and_lcp(
-    pages: Pages, shareable: np.ndarray, active: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, int]:
-    """(order, lcp, low). order: planned order, requests with queries sorted by their shareable pages,
-    so that requests sharing a prefix are contiguous (the DFS order of the trie), requests without
-    queries last; stable: equal tables keep the engine's order. lcp[i]: pages that planned requests
-    i and i+1 (both with queries) share at the start of their shareable pages. low: the smallest
-    shareable page id read, or 0 if smaller (negative only if one of them is).
+def _sort_and_lcp(pages: Pages, shareable: np.ndarray, active: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(order, lcp). order: planned order, requests with queries sorted by their key rows, so that
+    requests sharing a prefix are contiguous (the DFS order of the trie), requests without queries
+    last. lcp[i]: pages that planned requests i and i+1 (both with queries) share at the start of
+    their shareable pages.
 
-    The order is that of the byte strings of the shareable pages (int32, native byte order), a
-    prefix before its extensions."""
+    A key row is a request's first ``width + 1`` page ids (``width``: the most shareable pages of any
+    request; a request with queries has more pages than it can share) with a -1 in the column after
+    its shareable pages; rows are ordered by their bytes (int32, native byte order), stably. Only
+    whole rows are compared, so the entries after the -1 (unused ones included) order requests that
+    share all their shareable pages; no page id is -1, so the requests that share a prefix are still
+    contiguous."""
     ids = np.flatnonzero(active)
     inactive = np.flatnonzero(~active)
     width = int(shareable.max(initial=0))
     if ids.size < 2 or width == 0:
-        return np.concatenate([ids, inactive]), np.zeros(max(ids.size - 1, 0), dtype=np.int64), 0
+        return np.concatenate([ids, inactive]), np.zeros(max(ids.size - 1, 0), dtype=np.int64)
     share = shareable[ids]
-    # One key row per request: its shareable pages, zeros after them, and its shareable count
-    # big-endian last. numpy sorts such rows as void items, comparing bytes (memcmp): in the order of
-    # the pages' byte strings, since a zero-padded prefix only ties with an extension by zero bytes,
-    # and the count then puts the prefix first. Any fixed-width encoding of the page ids groups
-    # common prefixes. (One 2 MB temporary at most at 256 x 2000 pages: a larger peak makes the heap
-    # shrink and fault in again on every plan, costing more than the sort.)
-    # Rows are written through their flat view (one slice per row, cheaper than a row's).
+    # numpy sorts the key rows as void items, comparing bytes (memcmp). (One 2 MB temporary at most
+    # at 256 x 2000 pages: a larger peak makes the heap shrink and fault in again on every plan,
+    # costing more than the sort.) A -1 rather than zeros after the shareable pages: one write per
+    # row instead of a slice each (~100 us for 255 short rows of 2000 pages).
     if isinstance(pages, np.ndarray):
-        rows = pages[ids, : width + 1]  # a request with queries has more pages than it can share
-        flat = rows.reshape(-1)
-        short = np.flatnonzero(share < width)
-        starts = short * (width + 1)
-        for start, n in zip(starts.tolist(), share[short].tolist(), strict=True):
-            flat[start + n : start + width] = 0
+        rows = pages[ids, : width + 1]
     else:
         rows = np.zeros((ids.shape[0], width + 1), dtype=_I32)
         flat = rows.reshape(-1)
         for start, i, n in zip(range(0, flat.shape[0], width + 1), ids.tolist(), share.tolist(), strict=True):
             flat[start : start + n] = pages[i][:n]
-    rows[:, width] = 0
-    low = int(flat.min())  # the pages and their zero padding
-    rows[:, width] = share.astype(">i4").view(_I32)
+    rows[np.arange(ids.shape[0]), share] = -1
     perm = np.argsort(rows.view(np.dtype((np.void, rows.itemsize * (width + 1)))).ravel(), kind="stable")
-    # Neighbours' first difference (a padding zero may equal a page id: the shareable counts cap it),
-    # a block of sorted rows at a time, so that no sorted copy of every row is made. The rows sorted
-    # between two rows share the common prefix of those two: a block's first and last rows give
-    # leading columns that all its rows share, and only the columns after them are compared.
-    # The count column is taken as differing, so rows equal on every page differ "at" width.
+    # Neighbours' first difference, a block of sorted rows at a time, so that no sorted copy of every
+    # row is made. The rows sorted between two rows share the common prefix of those two: a block's
+    # first and last rows give leading columns that all its rows share, and only the columns after
+    # them are compared. The last column is taken as differing, so equal rows differ "at" width; the
+    # shareable counts cap what a difference past the -1 says.
     starts = np.arange(0, perm.shape[0] - 1, _LCP_BLOCK)
     outer = rows[perm[starts]] != rows[perm[np.minimum(starts + _LCP_BLOCK, perm.shape[0] - 1)]]
     outer[:, width] = True
@@ -397,7 +388,7 @@ def _sort_and_lcp(
         first[lo : lo + differ.shape[0]] = differ.argmax(axis=1) + shared
     share = share[perm]
     lcp = np.minimum(first, np.minimum(share[:-1], share[1:]))
-    return np.concatenate([ids[perm], inactive]), lcp, low
+    return np.concatenate([ids[perm], inactive]), lcp
 
 
 def _lcp_intervals(lcp: np.ndarray) -> list[tuple[int, int, int]]:
