@@ -111,7 +111,7 @@ class CascadePlanner:
         # Whole pages of KV computed before this step: the most a request can share.
         shareable = np.where(active, (kv - qo) // page_size, 0)
 
-        order, lcp = _sort_and_lcp(pages, shareable, active)
+        order, lcp = _sort_and_lcp(pages, shareable, active, _whole_rows(block_tables, pages))
         nodes = self._choose(_lcp_intervals(lcp), page_size)
 
         qo_planned = qo[order]
@@ -207,28 +207,56 @@ def _cascade_features(
     return PlanFeatures(max((n.level for n in nodes), default=-1) + 2, kv_tokens, pairs)
 
 
-def _sort_and_lcp(pages: Pages, shareable: np.ndarray, active: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(order, lcp). order: planned order, requests with queries sorted by their key rows, so that
-    requests sharing a prefix are contiguous (the DFS order of the trie), requests without queries
-    last. lcp[i]: pages that planned requests i and i+1 (both with queries) share at the start of
-    their shareable pages.
+def _whole_rows(block_tables: object, pages: Pages) -> np.ndarray | None:
+    """The page tables as one C-contiguous int32 array whose row i starts with request i's pages (the
+    caller's array, or the int32 copy of another dtype), else None."""
+    if not isinstance(pages, np.ndarray):
+        return None
+    if pages.flags.c_contiguous:
+        return pages
+    if (
+        isinstance(block_tables, np.ndarray)
+        and block_tables.dtype == _I32
+        and block_tables.flags.c_contiguous
+    ):
+        return block_tables
+    return None
 
-    A key row is a request's first ``width + 1`` page ids (``width``: the most shareable pages of any
-    request; a request with queries has more pages than it can share) with a -1 in the column after
-    its shareable pages; rows are ordered by their bytes (int32, native byte order), stably. Only
-    whole rows are compared, so the entries after the -1 (unused ones included) order requests that
-    share all their shareable pages; no page id is -1, so the requests that share a prefix are still
-    contiguous."""
+
+def _sort_and_lcp(
+    pages: Pages, shareable: np.ndarray, active: np.ndarray, whole_rows: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """(order, lcp). order: planned order, requests with queries sorted so that requests sharing a
+    prefix are contiguous (the DFS order of the trie), requests without queries last. lcp[i]: pages
+    that planned requests i and i+1 (both with queries) share at the start of their shareable pages.
+
+    Rows are ordered by their bytes (int32, native byte order), stably; numpy sorts them as void
+    items, comparing bytes (memcmp), and any set of rows that start alike is then contiguous. Which
+    rows: ``whole_rows`` (``_whole_rows``) as they are, without a copy, when no two neighbours in
+    their order with different shareable counts agree past the smaller count; past its shareable
+    pages a request's row holds its pages being written this step (or unused entries), so only a
+    page written by one request while another reads it can break that, and a prefix's requests are
+    then contiguous. Otherwise key rows: each request's first ``width + 1`` page ids (``width``: the
+    most shareable pages of any request; a request with queries has more pages than it can share)
+    with a -1, which no page id is, in the column after its shareable pages. Either way the entries
+    after a request's shareable pages order the requests that share all of them."""
     ids = np.flatnonzero(active)
     inactive = np.flatnonzero(~active)
     width = int(shareable.max(initial=0))
     if ids.size < 2 or width == 0:
         return np.concatenate([ids, inactive]), np.zeros(max(ids.size - 1, 0), dtype=np.int64)
+    if whole_rows is not None:
+        perm = np.argsort(_void_rows(whole_rows), kind="stable")
+        perm = perm[active[perm]]
+        share = shareable[perm]
+        first = _first_differences(whole_rows, perm, width)
+        low = np.minimum(share[:-1], share[1:])
+        if not ((first > low) & (share[:-1] != share[1:])).any():
+            return np.concatenate([perm, inactive]), np.minimum(first, low)
     share = shareable[ids]
-    # numpy sorts the key rows as void items, comparing bytes (memcmp). (One 2 MB temporary at most
-    # at 256 x 2000 pages: a larger peak makes the heap shrink and fault in again on every plan,
-    # costing more than the sort.) A -1 rather than zeros after the shareable pages: one write per
-    # row instead of a slice each (~100 us for 255 short rows of 2000 pages).
+    # (One 2 MB temporary at most at 256 x 2000 pages: a larger peak makes the heap shrink and fault
+    # in again on every plan, costing more than the sort.) A -1 rather than zeros after the shareable
+    # pages: one write per row instead of a slice each (~100 us for 255 short rows of 2000 pages).
     if isinstance(pages, np.ndarray):
         rows = pages[ids, : width + 1]
     else:
@@ -237,24 +265,35 @@ def _sort_and_lcp(pages: Pages, shareable: np.ndarray, active: np.ndarray) -> tu
         for start, i, n in zip(range(0, flat.shape[0], width + 1), ids.tolist(), share.tolist(), strict=True):
             flat[start : start + n] = pages[i][:n]
     rows[np.arange(ids.shape[0]), share] = -1
-    perm = np.argsort(rows.view(np.dtype((np.void, rows.itemsize * (width + 1)))).ravel(), kind="stable")
-    # Neighbours' first difference, a block of sorted rows at a time, so that no sorted copy of every
-    # row is made. The rows sorted between two rows share the common prefix of those two: a block's
-    # first and last rows give leading columns that all its rows share, and only the columns after
-    # them are compared. The last column is taken as differing, so equal rows differ "at" width; the
-    # shareable counts cap what a difference past the -1 says.
+    perm = np.argsort(_void_rows(rows), kind="stable")
+    first = _first_differences(rows, perm, width)
+    share = share[perm]
+    return np.concatenate([ids[perm], inactive]), np.minimum(first, np.minimum(share[:-1], share[1:]))
+
+
+def _void_rows(rows: np.ndarray) -> np.ndarray:
+    """A C-contiguous 2-D array's rows as void items (compared as byte strings)."""
+    return rows.view(np.dtype((np.void, rows.itemsize * rows.shape[1]))).ravel()
+
+
+def _first_differences(rows: np.ndarray, perm: np.ndarray, width: int) -> np.ndarray:
+    """first[i]: the first column below ``width`` where rows ``perm[i]`` and ``perm[i + 1]`` differ,
+    ``width`` where they agree on all of those; ``perm`` orders the rows by their bytes.
+
+    A block of sorted rows at a time, so that no sorted copy of every row is made. The rows sorted
+    between two rows share the common prefix of those two: a block's first and last rows give
+    leading columns that all its rows share, and only the columns after them are compared."""
     starts = np.arange(0, perm.shape[0] - 1, _LCP_BLOCK)
-    outer = rows[perm[starts]] != rows[perm[np.minimum(starts + _LCP_BLOCK, perm.shape[0] - 1)]]
+    ends = np.minimum(starts + _LCP_BLOCK, perm.shape[0] - 1)
+    outer = rows[perm[starts], : width + 1] != rows[perm[ends], : width + 1]
     outer[:, width] = True
     first = np.empty(perm.shape[0] - 1, dtype=np.int64)
     for lo, shared in zip(starts.tolist(), outer.argmax(axis=1).tolist(), strict=True):
-        block = rows[perm[lo : lo + _LCP_BLOCK + 1], shared:]
+        block = rows[perm[lo : lo + _LCP_BLOCK + 1], shared : width + 1]
         differ = block[1:] != block[:-1]
         differ[:, -1] = True
         first[lo : lo + differ.shape[0]] = differ.argmax(axis=1) + shared
-    share = share[perm]
-    lcp = np.minimum(first, np.minimum(share[:-1], share[1:]))
-    return np.concatenate([ids[perm], inactive]), lcp
+    return first
 
 
 def _lcp_intervals(lcp: np.ndarray) -> list[tuple[int, int, int]]:
