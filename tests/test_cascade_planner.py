@@ -470,8 +470,8 @@ def _sorted_by_bytes_and_lcp(
     """The definition: requests with queries in the order (stable) of the bytes of their rows, then the
     others; neighbours' common prefixes counted page by page. Rows: with ``whole``, the tables' rows
     as they are, unless two neighbours in their order with different shareable counts agree past the
-    smaller count; else key rows, the first width + 1 int32 page ids (zeros past a list row's end)
-    with a -1 after the shareable pages."""
+    smaller count or nothing is shareable; else key rows, the first width + 1 int32 page ids (zeros
+    past a list row's end) with a -1 after the shareable pages."""
     width = int(share[active].max(initial=0))
     active_ids = np.flatnonzero(active).tolist()
 
@@ -489,7 +489,7 @@ def _sorted_by_bytes_and_lcp(
         return n
 
     ids = sorted(active_ids, key=key)
-    if whole:
+    if whole and width > 0:  # nothing shareable: the engine's order
         raw = sorted(active_ids, key=lambda i: np.asarray(pages[i], dtype=np.int32).tobytes())
         pairs = list(itertools.pairwise(raw))
         if not any(share[a] != share[b] and agree(a, b) > min(share[a], share[b]) for a, b in pairs):
