@@ -6,8 +6,11 @@ from cascade_batches import Batch, batches
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from prefix_cache import cascade_planner
 from prefix_cache.cascade import CascadePlan
-from prefix_cache.cascade_planner import CascadePlanner
+from prefix_cache.cascade_planner import CascadePlanner, _sort_and_lcp
+from prefix_cache.cost_model import CostModel, plan_features
+from prefix_cache.plan_inputs import check_plan_inputs
 
 # Cost models that share anything (to exercise deep plans on small batches) and the default one.
 EAGER = [CascadePlanner(min_shared_tokens=1, min_saved_tokens=0, max_levels=m) for m in (1, 2, 3, 5)]
@@ -505,8 +508,6 @@ def test_sort_and_lcp_match_their_definition(data: st.DataObject) -> None:
     definition and the page-by-page common prefixes, for whole rows (with and without the fall back
     to key rows), key rows of a 2-D array and of a list, whatever the entries after a request's
     shareable pages hold; the requests holding a prefix are contiguous."""
-    from prefix_cache.cascade_planner import _sort_and_lcp
-
     n = data.draw(st.integers(1, 150))
     width = data.draw(st.integers(1, 6))
     # Few distinct ids (many shared prefixes, and rows agreeing past their shareable pages), some
@@ -538,8 +539,6 @@ def test_sort_and_lcp_match_their_definition(data: st.DataObject) -> None:
 def test_sort_and_lcp_part_equal_pages_at_the_shareable_count() -> None:
     """All-zero tables (page 0 in every entry) part where each request's shareable pages end: whole
     rows tie, so key rows decide, and an extension sorts before its prefix, at any count."""
-    from prefix_cache.cascade_planner import _sort_and_lcp
-
     tables = np.zeros((3, 301), dtype=np.int32)
     share = np.array([1, 300, 256])
     for whole in (None, tables):
@@ -561,3 +560,115 @@ def test_a_page_one_request_writes_while_others_read_it_does_not_part_them() -> 
     assert [level.kv_indices.tolist() for level in plan.levels[:-1]] == [[1], [2]]
     assert reads(plan)[0][2] == ([2], 1, frozenset({0, 2}))
     assert_same_plan(plan, plan_of(batch, planner))
+
+
+def test_largest_values_in_range_are_accepted() -> None:
+    """The upper ends of the documented ranges: page size 2**31 - 1, page id 2**31 - 1 (each
+    container), query tokens summing to 2**31 - 1."""
+    assert CascadePlanner().plan([[0]], [1], [1], 2**31 - 1).page_size == 2**31 - 1
+    top = 2**31 - 1
+    for tables in ([[top]], [np.array([top])], np.array([[top]], np.int64), np.array([[top]], np.int32)):
+        plan = CascadePlanner().plan(tables, [1], [1], 16)
+        assert plan.levels[-1].kv_indices.tolist() == [top]
+    kv, qo, _, _, _ = check_plan_inputs([[0, 1]], [top], [top], 2**30)  # no plan: 2**31 query tokens
+    assert kv.tolist() == qo.tolist() == [top]
+
+
+@pytest.mark.parametrize("container", ["2-D int32", "rows int32"])
+@pytest.mark.parametrize(
+    ("request_", "column"),
+    [
+        (0, 5),  # a shared page
+        (1, 99),  # the last page, holding the query
+        (3, 49),  # the last page of a request without queries
+    ],
+)
+def test_page_id_minus_one_raises_wherever_it_is_used(container: str, request_: int, column: int) -> None:
+    """-1 (the usual padding value) in a used entry of int32 tables raises like any negative id,
+    the last used page of a request without queries included."""
+    tables = np.arange(4 * 104, dtype=np.int32).reshape(4, 104)
+    tables[:3, :64] = np.arange(64)
+    tables[request_, column] = -1
+    pages = tables if container == "2-D int32" else list(tables)
+    kv, qo = [100 * 16, 100 * 16, 100 * 16, 50 * 16], [1, 1, 1, 0]
+    for planner in (CascadePlanner(), CascadePlanner(min_shared_tokens=16, min_saved_tokens=0)):
+        with pytest.raises(ValueError, match=r"page ids must be in \[0, 2\*\*31\), got range \[-1, "):
+            planner.plan(pages, kv, qo, 16)
+
+
+# ----------------------------------------------------------------------------------------------
+# cascade_planner.py
+
+
+def test_min_saved_tokens_counts_the_reads_saved() -> None:
+    """A node saves (q - 1)·L token reads: 256 tokens shared by 7 requests save 1536 < 7·256."""
+    assert len(plan_of(decode_batch([(16, 7)]), THRESHOLDS).levels) == 1
+    assert len(plan_of(decode_batch([(16, 8)]), THRESHOLDS).levels) == 2
+    # Exactly min_saved_tokens saved is enough: 2 requests sharing 512 tokens save 512.
+    assert len(plan_of(decode_batch([(32, 2)]), CascadePlanner(min_saved_tokens=512)).levels) == 2
+    assert len(plan_of(decode_batch([(32, 2)]), CascadePlanner(min_saved_tokens=513)).levels) == 1
+
+
+def test_one_explicit_threshold_decides_without_the_cost_model() -> None:
+    """The cost model decides only when both thresholds are None: 256 tokens shared by 8 decodes,
+    which it folds into one level (test_calibrated_cost_model_chooses_the_faster_plan), get a shared
+    level as soon as either threshold is given."""
+    batch = decode_batch([(16, 8)], unique_pages=16)
+    assert len(plan_of(batch).levels) == 1
+    assert len(plan_of(batch, CascadePlanner(min_saved_tokens=7 * 256)).levels) == 2
+    assert len(plan_of(batch, CascadePlanner(min_shared_tokens=256)).levels) == 2
+
+
+@settings(max_examples=150, deadline=None)
+@given(batch=batches())
+def test_cost_model_compares_the_features_of_both_plans(batch: Batch) -> None:
+    """What the cost model is asked about: the one-level plan and the candidates' cascade, each with
+    the features ``plan_features`` reads off the plan itself (requests without queries included in
+    the batch, not in the features)."""
+    seen: list = []
+
+    class Recording(CostModel):
+        def time_us(self, features):
+            seen.append(features)
+            return super().time_us(features)
+
+    model = Recording(base_us=1.0, level_us=1.0, kv_token_us=1.0, pair_us=1.0)
+    with pytest.MonkeyPatch.context() as mp:  # candidates at any size, so that small batches have some
+        mp.setattr(cascade_planner, "_MIN_SHARED_TOKENS", 1)
+        mp.setattr(cascade_planner, "_MIN_SAVED_TOKENS", 0)
+        plan_of(batch, CascadePlanner(cost_model=model))
+    args = (batch.block_tables, batch.kv_lens, batch.qo_lens, batch.page_size)
+    cascade = CascadePlanner(min_shared_tokens=1, min_saved_tokens=0, cost_model=None).plan(*args)
+    if len(cascade.levels) == 1:
+        assert seen == []  # no candidate: nothing to compare
+        return
+    flat = CascadePlanner(max_levels=1, cost_model=None).plan(*args)
+    assert seen == [plan_features(flat), plan_features(cascade)]
+
+
+def test_a_2d_table_with_equal_lengths_and_shared_segments_of_different_depths() -> None:
+    """Every request reads the same number of pages but their shared segments end at different
+    depths: the unique level cannot take the one-gather path."""
+    tables = np.array([[0, 1, 2, 3, 10], [0, 1, 2, 3, 11], [0, 5, 6, 7, 12]], dtype=np.int32)
+    batch = Batch(list(tables), np.array([80, 80, 80]), np.ones(3, dtype=np.int64), 16, 13)
+    planner = CascadePlanner(min_shared_tokens=1, min_saved_tokens=0)
+    plan = planner.plan(tables, batch.kv_lens, batch.qo_lens, 16)
+    check_plan(plan, batch)
+    assert_same_plan(plan, plan_of(batch, planner))
+
+
+@pytest.mark.parametrize("position", [63, 64, 65, 127, 128])
+def test_sort_and_lcp_at_a_block_boundary(position: int) -> None:
+    """A row that differs from the others in its first page, sorted to each side of the 64-row
+    blocks that neighbours are compared in, shares nothing with its neighbours."""
+    n = position + 1
+    tables = np.zeros((n, 4), dtype=np.int32)
+    tables[position] = 1  # sorts last (bytes 01 00 00 00 after 00 00 00 00)
+    for whole in (None, tables):
+        order, lcp = _sort_and_lcp(tables, np.full(n, 3), np.ones(n, dtype=bool), whole)
+        assert order.tolist()[-1] == position
+        assert lcp.tolist() == [3] * (n - 2) + [0]
+    # The same through the planner: the odd request reads its pages in its own group.
+    kv, qo = np.full(n, 4 * 16), np.ones(n, dtype=np.int64)
+    plan = CascadePlanner(min_shared_tokens=1, min_saved_tokens=0).plan(tables, kv, qo, 16)
+    check_plan(plan, Batch(list(tables), kv, qo, 16, 2))

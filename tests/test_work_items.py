@@ -22,6 +22,7 @@ from prefix_cache.kernels.work import (
     level_work,
     levels_work,
     longest_first,
+    tile_config,
 )
 
 
@@ -195,3 +196,74 @@ def test_longest_first_by_launch() -> None:
     want = sorted(range(200), key=lambda i: (launch[i], -cost[i], i))
     assert longest_first(work, launch)[:, SPLIT].tolist() == want
     assert longest_first(work)[:, SPLIT].tolist() == sorted(range(200), key=lambda i: (-cost[i], i))
+
+
+@pytest.mark.parametrize(
+    ("qo", "kvp", "idx", "last", "page_size", "message"),
+    [
+        ([1, 2], [0, 1], [3], [4], 4, "qo_indptr must start at 0"),
+        ([0, 1], [-1, 0], [3], [4], 4, "within kv_indices"),  # a group's pages from index -1
+        ([0, 1, 2], [0, 2, 1], [3, 4], [4, 4], 4, "non-decreasing"),  # kv_indptr going back
+        ([0, 1], [0, 1], [3], [0], 4, "kv_last_page_len must be in 1..4"),  # pages holding 0 tokens
+        ([0, 1], [0, 1], [3], [1], 0, "page_size must be positive"),
+        ([0, 1], [0, 1024], [0] * 1024, [2**20], 2**20, "level too large"),  # 2**30 KV tokens
+    ],
+)
+def test_check_level_rejects(qo, kvp, idx, last, page_size, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        check_level(np.array(qo), np.array(kvp), np.array(idx), np.array(last), page_size)
+
+
+def test_check_level_accepts_the_largest_values() -> None:
+    level = check_level(
+        np.array([0, 1]), np.array([0, 1024]), np.zeros(1024, int), np.array([2**20 - 1]), 2**20
+    )
+    assert level.kv_len.tolist() == [2**30 - 1]
+
+
+def test_levels_work_counts_pages_from_whole_kv_indices() -> None:
+    """A level's kv_indices may hold entries past its groups' pages (kv_indptr[-1] < len): the next
+    level's PAGE0 still counts from the end of the whole array, as the backend lays them out."""
+    first = check_level(np.array([0, 2]), np.array([1, 3]), np.arange(5), np.array([16]), 16)  # 2 extra
+    second = check_level(np.array([0, 2]), np.array([0, 1]), np.array([9]), np.array([5]), 16)
+    work, _, item_level = levels_work(
+        [first, second], causal=[False, True], tiles=[TileConfig(16, 16, 1, 1)] * 2, group_size=1,
+        num_kv_heads=1, sms=4, kv_chunk_size=None, row_stride=2,
+    )  # fmt: skip
+    assert work[item_level == 0, PAGE0].tolist() == [1]
+    assert work[item_level == 1, PAGE0].tolist() == [5]
+
+
+def test_auto_chunk_splits_only_when_sms_are_left_idle() -> None:
+    """Programs that exactly fill the resident slots (sms x resident_per_sm) leave no SM idle: no
+    split, though the model would prefer two waves of short chunks to one of the longest group."""
+    assert [TileConfig(m, 64, 4, 2).resident_per_sm() for m in (16, 32, 64, 128)] == [4, 4, 2, 1]
+    tile, kv_len = TileConfig(16, 64, 4, 2), np.array([4096, 10, 10, 10])
+    assert auto_chunk(kv_len, np.array([1, 1, 1, 1]), tile, 1) == UNSPLIT  # 4 programs, 4 slots
+    assert auto_chunk(kv_len[:3], np.array([1, 1, 1]), tile, 1) < UNSPLIT  # 3 programs: split
+
+
+@pytest.mark.parametrize("interpret", ["1", "0"])
+@pytest.mark.parametrize("group_size", [1, 3, 8, 71, 128])
+def test_a_tile_holds_a_token_of_every_query_head_of_a_group(
+    interpret: str, group_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever the rows, an M tile has 16 rows or more (tl.dot) and room for one query token of a
+    group (MQA models have up to 128 query heads per KV head): tile_q = block_m // group_size >= 1."""
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    for rows in (0, 1, group_size, 5 * group_size, 1 << 20):
+        for head_dim, page_size in ((16, 1), (128, 16), (256, 16)):
+            tile = tile_config(rows, group_size, head_dim, page_size)
+            assert tile.block_m >= 16 and tile.block_m // group_size >= 1
+    if interpret == "0":  # the GPU tiles: 128 rows at most for head_dim 128, 64 above (registers)
+        assert tile_config(1 << 20, 1, 128, 16).block_m == 128
+        assert tile_config(1 << 20, 1, 256, 16).block_m == 64
+
+
+def test_levels_work_rejects_a_zero_chunk() -> None:
+    level = check_level(np.array([0, 1]), np.array([0, 1]), np.array([0]), np.array([3]), 4)
+    with pytest.raises(ValueError, match="kv_chunk_size must be positive"):
+        levels_work(
+            [level], causal=[True], tiles=[TileConfig(16, 16, 1, 1)], group_size=1, num_kv_heads=1, sms=4,
+            kv_chunk_size=0, row_stride=1,
+        )  # fmt: skip
