@@ -1,0 +1,147 @@
+"""The Triton backend's plan side: what it refuses, the checks a run makes against the plan, splits
+and fixed capacities (the kernels run in Triton's interpreter on the CPU)."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from attention_reference import reference_attention
+
+from prefix_cache.cascade import CascadeLevel, CascadePlan
+from prefix_cache.cascade_planner import CascadePlanner
+
+pytest.importorskip("triton")
+from prefix_cache.attention.triton_backend import GraphCapacity, TritonBackend
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+HEADS = dict(num_qo_heads=2, num_kv_heads=1, head_dim=16)
+
+
+def _one_level_plan(qo_indptr, kv_indptr, kv_indices, last, query_order, page_size=4) -> CascadePlan:
+    level = CascadeLevel(*(np.asarray(a, np.int32) for a in (qo_indptr, kv_indptr, kv_indices, last)), True)
+    n = len(last)
+    return CascadePlan(
+        levels=(level,),
+        request_order=np.arange(n, dtype=np.int32),
+        request_inverse=np.arange(n, dtype=np.int32),
+        query_order=np.asarray(query_order, np.int64),
+        page_size=page_size,
+    )
+
+
+def test_triton_backend_rejects_inconsistent_plans() -> None:
+    backend = TritonBackend(device=DEVICE)
+    good = _one_level_plan([0, 2], [0, 1], [0], [4], [0, 1])
+    backend.plan(good, **HEADS)
+    with pytest.raises(ValueError, match="at least one level"):
+        backend.plan(CascadePlan((), good.request_order, good.request_inverse, good.query_order, 4), **HEADS)
+    with pytest.raises(ValueError, match="permutation"):
+        backend.plan(_one_level_plan([0, 2], [0, 1], [0], [4], [0, 0]), **HEADS)
+    shared = CascadeLevel(np.array([0, 1], np.int32), np.array([0, 1], np.int32), np.array([1], np.int32),
+                          np.array([4], np.int32), False)  # fmt: skip
+    two = CascadePlan((shared, good.levels[0]), good.request_order, good.request_inverse, good.query_order, 4)
+    with pytest.raises(ValueError, match="level 0 covers 1 query tokens, the plan has 2"):
+        backend.plan(two, **HEADS)
+
+
+def test_triton_backend_checks_the_pages_a_plan_reads() -> None:
+    backend = TritonBackend(device=DEVICE)
+    backend.plan(_one_level_plan([0, 1], [0, 2], [0, 5], [4], [0]), **HEADS)
+    with pytest.raises(ValueError, match="references page 5, the KV cache has 5 pages"):
+        backend.run(torch.randn(1, 2, 16, device=DEVICE), torch.randn(5, 2, 4, 1, 16, device=DEVICE))
+
+
+def test_one_level_with_splits_merges_them() -> None:
+    """One level split along its KV (a forced chunk) writes partial rows and merges them: only a
+    plan without splits writes the output directly."""
+    gen = torch.Generator().manual_seed(0)
+    tables, kv_lens, qo_lens = [np.arange(10), np.arange(10, 13)], [40, 9], [2, 1]
+    plan = CascadePlanner().plan(tables, kv_lens, qo_lens, 4)
+    assert len(plan.levels) == 1
+    kv_cache = torch.randn(13, 2, 4, 1, 16, generator=gen).to(DEVICE)
+    q = torch.randn(3, 2, 16, generator=gen).to(DEVICE)
+    backend = TritonBackend(device=DEVICE, kv_chunk_size=16)
+    backend.plan(plan, **HEADS)
+    expected = reference_attention(q, kv_cache, tables, kv_lens, qo_lens, 16**-0.5)
+    torch.testing.assert_close(backend.run(q, kv_cache).double(), expected, atol=2e-5, rtol=2e-5)
+
+
+def test_a_new_plan_is_run_with_its_own_launches() -> None:
+    """Plans without a dtype bind their launches at the first run: a second, larger plan run with
+    the same dtype must not reuse the first plan's grid."""
+    gen = torch.Generator().manual_seed(1)
+    kv_cache = torch.randn(40, 2, 4, 1, 16, generator=gen).to(DEVICE)
+    backend = TritonBackend(device=DEVICE, kv_chunk_size=16)
+    for tables, kv_lens, qo_lens in (
+        ([np.arange(2)], [5], [1]),
+        ([np.arange(10), np.arange(10, 30)], [40, 80], [3, 2]),  # more items, and splits
+    ):
+        plan = CascadePlanner().plan(tables, kv_lens, qo_lens, 4)
+        backend.plan(plan, **HEADS)
+        q = torch.randn(sum(qo_lens), 2, 16, generator=gen).to(DEVICE)
+        expected = reference_attention(q, kv_cache, tables, kv_lens, qo_lens, 16**-0.5)
+        torch.testing.assert_close(backend.run(q, kv_cache).double(), expected, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors outside the interpreter")
+def test_cpu_tensors_need_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    backend = TritonBackend(device="cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    backend.plan(_one_level_plan([0, 1], [0, 1], [0], [4], [0]), **HEADS)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        backend.run(torch.randn(1, 2, 16), torch.randn(1, 2, 4, 1, 16))
+
+
+def test_graph_capacity_defaults_and_checks() -> None:
+    capacity = GraphCapacity(max_query_tokens=40, max_pages=200, max_levels=3)
+    assert capacity.work_items == 40 * 3 + 2048 and capacity.partial_rows == 40 * 3 + 4096
+    assert GraphCapacity(1, 1, max_work_items=5, max_partial_rows=6).work_items == 5
+    for name in ("max_query_tokens", "max_pages", "max_levels"):
+        with pytest.raises(ValueError, match=f"GraphCapacity.{name} must be >= 1, got 0"):
+            GraphCapacity(**{"max_query_tokens": 1, "max_pages": 1, name: 0})
+
+
+def test_fixed_capacity_accepts_a_plan_that_fills_it() -> None:
+    """Capacities are inclusive: as many query tokens, pages and levels as the capacity plan and run."""
+    gen = torch.Generator().manual_seed(3)
+    tables, kv_lens, qo_lens = [np.arange(2)], [20], [3]
+    plan = CascadePlanner().plan(tables, kv_lens, qo_lens, 16)
+    backend = TritonBackend(DEVICE, capacity=GraphCapacity(max_query_tokens=3, max_pages=2, max_levels=1))
+    backend.plan(plan, **HEADS)
+    kv_cache = torch.randn(2, 2, 16, 1, 16, generator=gen).to(DEVICE)
+    q = torch.randn(3, 2, 16, generator=gen).to(DEVICE)
+    expected = reference_attention(q, kv_cache, tables, kv_lens, qo_lens, 16**-0.5)
+    torch.testing.assert_close(backend.run(q, kv_cache).double(), expected, atol=2e-5, rtol=2e-5)
+
+
+def test_fixed_capacity_keeps_its_sm_scale() -> None:
+    """A CUDA graph captures the scale: a fixed-capacity backend refuses another one."""
+    backend = TritonBackend(DEVICE, capacity=GraphCapacity(max_query_tokens=4, max_pages=8))
+    plan = CascadePlanner().plan([np.arange(2)], [20], [3], 16)
+    backend.plan(plan, **HEADS, sm_scale=0.5)
+    with pytest.raises(ValueError, match="keeps its heads, head_dim, page_size and sm_scale"):
+        backend.plan(plan, **HEADS, sm_scale=0.25)
+
+
+def test_fixed_capacity_takes_fewer_splits_when_they_do_not_fit() -> None:
+    """Splits over the capacity's partial rows or work items are cut down (fewer, longer splits),
+    the output still right; a plan that does not fit even unsplit raises."""
+    gen = torch.Generator().manual_seed(2)
+    tables, kv_lens, qo_lens = [np.arange(50)], [200], [1]
+    plan = CascadePlanner().plan(tables, kv_lens, qo_lens, 4)
+    kv_cache = torch.randn(50, 2, 4, 1, 16, generator=gen).to(DEVICE)
+    q = torch.randn(2, 2, 16, generator=gen).to(DEVICE)  # padded to the capacity
+    expected = reference_attention(q[:1], kv_cache, tables, kv_lens, qo_lens, 16**-0.5)
+    for rows, items in ((4, 100), (100, 3)):  # 13 splits of 16 tokens do not fit either
+        capacity = GraphCapacity(2, 50, max_levels=1, max_partial_rows=rows, max_work_items=items)
+        backend = TritonBackend(DEVICE, kv_chunk_size=16, capacity=capacity)
+        backend.plan(plan, **HEADS)
+        assert 1 < backend._counts[0] <= min(rows, items)
+        out = torch.full_like(q, math.nan)
+        backend.run(q, kv_cache, out=out)
+        torch.testing.assert_close(out[:1].double(), expected, atol=2e-5, rtol=2e-5)
+    backend = TritonBackend(DEVICE, capacity=GraphCapacity(2, 50, max_levels=1, max_work_items=0))
+    with pytest.raises(ValueError, match="the plan needs 1 work items and 1 partial rows, over the backend's "
+                       "capacity of 0 and"):  # fmt: skip
+        backend.plan(plan, **HEADS)
