@@ -56,13 +56,12 @@ def us(fn, calls: int = 200, samples: int = 5) -> float:
 def attention_args(backend, q, k, v, out) -> tuple:
     """The positional arguments of the plan's first attention launch, as ``AttentionLaunch`` makes them."""
     launch = backend._launches[0]
-    part_o = out if backend._direct else backend._part_o
-    lse = backend._part_lse
-    sq, sk, sv, so = q.stride(), k.stride(), v.stride(), part_o.stride()
+    part_o, lse = backend._part_o, backend._part_lse
+    sq, sk, sv, so, sf = q.stride(), k.stride(), v.stride(), part_o.stride(), out.stride()
     return (
         q, backend._q_rows, k, v, backend._kv_indices, launch.work, launch.num_work, backend._o_rows,
-        part_o, lse, backend._qk_scale,
-        sq[0], sq[1], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], so[0], so[1], lse.stride(0),
+        part_o, lse, out, backend._qk_scale,
+        sq[0], sq[1], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], so[0], so[1], lse.stride(0), sf[0], sf[1],
     )  # fmt: skip
 
 
@@ -80,7 +79,7 @@ def breakdown(case) -> dict:
 
     def launches():
         backend.launch_levels(q, k, v, out)
-        if not backend._direct:
+        if backend._merges:
             backend.merge(out)
 
     bound = backend._attention_launches[0]._kernel
@@ -91,7 +90,7 @@ def breakdown(case) -> dict:
     gx, gy, gz = bound._grid3
     row = {
         "case": case.name,
-        "launches": len(backend._attention_launches) + (0 if backend._direct else 1),
+        "launches": len(backend._attention_launches) + (1 if backend._merges else 0),
         "run": us(lambda: backend.run(q, kv_cache, out=out)),
         "_run": us(lambda: backend._run(plan, q, kv_cache, k, v, out)),
         "launches only": us(launches),

@@ -103,9 +103,11 @@ def _attention_kernel(
     kv_indices_ptr,  # int32 page ids
     work_ptr,  # int32 [W, 8], see work.py
     num_work_ptr,  # int32 [1]: items of work_ptr to run (W at most)
-    o_rows_ptr,  # int32/int64: row of o/lse for token t's split 0 at a level (work column OROW)
+    o_rows_ptr,  # int32/int64: row of o/lse for token t's split 0 at a level (work column OROW);
+    # -1 - r: the token's only partial state is its final output, row r of final_ptr (no LSE)
     o_ptr,  # [*, Hq, D]
     lse_ptr,  # [*, Hq] float32
+    final_ptr,  # [*, Hq, D]: the output rows of tokens with a negative o_rows entry
     qk_scale,  # sm_scale * log2(e)
     stride_q_row,
     stride_q_head,
@@ -118,6 +120,8 @@ def _attention_kernel(
     stride_o_row,
     stride_o_head,
     stride_lse_row,
+    stride_final_row,
+    stride_final_head,
     NUM_KV_HEADS: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     GROUP_SIZE: tl.constexpr,  # query heads per KV head
@@ -193,13 +197,24 @@ def _attention_kernel(
         out = acc / tl.where(empty, 1.0, l_i)[:, None]
         # m_i and log2(l_i) are in log2 units; the LSE is returned in natural log (times ln 2).
         lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
-        o_row = tl.load(o_rows_ptr + orow + tok, mask=row_ok, other=0).to(tl.int64) + split
+        o_row = tl.load(o_rows_ptr + orow + tok, mask=row_ok, other=0).to(tl.int64)
+        # A token whose state is final (one level, one split) skips the partial rows and the merge.
+        final = row_ok & (o_row < 0)
+        partial = row_ok & (o_row >= 0)
+        f_row = -1 - o_row
+        o_row += split
         tl.store(
             o_ptr + o_row[:, None] * stride_o_row + head[:, None] * stride_o_head + offs_d[None, :],
             out,
-            mask=row_ok[:, None] & d_ok[None, :],
+            mask=partial[:, None] & d_ok[None, :],
         )
-        tl.store(lse_ptr + o_row * stride_lse_row + head, lse, mask=row_ok)
+        tl.store(lse_ptr + o_row * stride_lse_row + head, lse, mask=partial)
+        f_offs = f_row[:, None] * stride_final_row + head[:, None] * stride_final_head + offs_d[None, :]
+        tl.store(
+            final_ptr + f_offs,
+            out,
+            mask=final[:, None] & d_ok[None, :],
+        )
 
 
 class AttentionLaunch:
@@ -248,13 +263,14 @@ class AttentionLaunch:
         o_rows: torch.Tensor,
         out: torch.Tensor,
         lse: torch.Tensor,
+        final: torch.Tensor,
         qk_scale: float,
     ) -> None:
         """Run ``num_work[0]`` items of ``work``: see ``launch_attention`` for the arguments."""
-        sq, sk, sv, so = q.stride(), k.stride(), v.stride(), out.stride()
+        sq, sk, sv, so, sf = q.stride(), k.stride(), v.stride(), out.stride(), final.stride()
         self._kernel(
-            q, q_rows, k, v, kv_indices, work, num_work, o_rows, out, lse, qk_scale,
-            sq[0], sq[1], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], so[0], so[1], lse.stride(0),
+            q, q_rows, k, v, kv_indices, work, num_work, o_rows, out, lse, final, qk_scale,
+            sq[0], sq[1], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], so[0], so[1], lse.stride(0), sf[0], sf[1],
         )  # fmt: skip
 
 
@@ -270,6 +286,7 @@ def launch_attention(
     out: torch.Tensor,
     lse: torch.Tensor,
     *,
+    final: torch.Tensor | None = None,
     qk_scale: float,
     num_programs: int,
     group_size: int,
@@ -279,12 +296,16 @@ def launch_attention(
 
     k, v: [num_pages, page_size, Hkv, D] views (``split_kv_cache``); qk_scale: sm_scale * log2(e);
     num_programs: grid size; programs loop over (item, KV head) pairs, so any size >= 1 is correct.
+    Query token t of an item at level offset OROW writes its (out, lse) partial state to row
+    ``o_rows[OROW + t] + split`` of ``out`` / ``lse``, or, where that entry is ``-1 - r``, its output
+    alone to row r of ``final`` [*, Hq, D] (default ``out``).
     """
     launch = AttentionLaunch(
         num_programs=num_programs, group_size=group_size, tile=tile, num_kv_heads=k.shape[2],
         page_size=k.shape[1], head_dim=q.shape[2], dtype=q.dtype,
     )  # fmt: skip
-    launch(q, q_rows, k, v, kv_indices, work, num_work, o_rows, out, lse, qk_scale)
+    final = out if final is None else final
+    launch(q, q_rows, k, v, kv_indices, work, num_work, o_rows, out, lse, final, qk_scale)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -497,7 +497,7 @@ def test_triton_backend_single_level_writes_output_directly(dtype):
     q = torch.randn(6, hq, d, generator=gen).to(dtype).to(DEVICE)
     backend = TritonBackend(device=DEVICE)
     backend.plan(plan, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, sm_scale=0.2)
-    assert backend._direct
+    assert backend._merges == 0
     out = backend.run(q, kv_cache)
     assert out.dtype == dtype
     ref_planned, _ = _ref_level(q[order], kv_cache, qo, kvp, idx, last, True, 0.2)

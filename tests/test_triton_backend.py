@@ -67,6 +67,35 @@ def test_one_level_with_splits_merges_them() -> None:
     torch.testing.assert_close(backend.run(q, kv_cache).double(), expected, atol=2e-5, rtol=2e-5)
 
 
+def test_tokens_with_one_state_skip_the_merge() -> None:
+    """In a two-level plan, the tokens of the request that shares nothing have one state (the unique
+    level, unsplit): they write their output directly and only the sharing requests' tokens are
+    merged, in both backends; a fixed-capacity backend then replays a plan with fewer tokens to
+    merge (the first plan's merge programs must write nothing)."""
+    gen = torch.Generator().manual_seed(6)
+    planner = CascadePlanner(min_shared_tokens=1, min_saved_tokens=0)
+    kv_cache = torch.randn(30, 2, 4, 1, 16, generator=gen).to(DEVICE)
+    shared = np.arange(10, 14)
+    batches = (  # the lone request first, in the engine's order and in the plan's (lower page ids)
+        ([np.arange(3), np.r_[shared, 20, 21], np.r_[shared, 22]], [10, 22, 19], [1, 2, 1]),
+        ([np.arange(20, 23), np.arange(23, 26)], [11, 9], [2, 1]),
+    )
+    fixed = TritonBackend(DEVICE, capacity=GraphCapacity(max_query_tokens=4, max_pages=16, max_levels=2))
+    for backend in (TritonBackend(DEVICE), fixed):
+        for (tables, kv_lens, qo_lens), levels, merged in zip(batches, (2, 1), (3, 0), strict=True):
+            plan = planner.plan(tables, kv_lens, qo_lens, 4)
+            assert len(plan.levels) == levels
+            backend.plan(plan, **HEADS)
+            if backend is not fixed:
+                assert backend._merges == merged
+            q = torch.randn(sum(qo_lens), 2, 16, generator=gen).to(DEVICE)
+            expected = reference_attention(q, kv_cache, tables, kv_lens, qo_lens, 16**-0.5)
+            out = torch.full((4, 2, 16), math.nan, device=DEVICE)
+            backend.run(torch.cat([q, q.new_zeros(4 - len(q), 2, 16)]) if backend is fixed else q,
+                        kv_cache, out=out if backend is fixed else out[: len(q)])  # fmt: skip
+            torch.testing.assert_close(out[: len(q)].double(), expected, atol=2e-5, rtol=2e-5)
+
+
 def test_a_new_plan_is_run_with_its_own_launches() -> None:
     """Plans without a dtype bind their launches at the first run: a second, larger plan run with
     the same dtype must not reuse the first plan's grid."""
@@ -142,6 +171,6 @@ def test_fixed_capacity_takes_fewer_splits_when_they_do_not_fit() -> None:
         backend.run(q, kv_cache, out=out)
         torch.testing.assert_close(out[:1].double(), expected, atol=2e-5, rtol=2e-5)
     backend = TritonBackend(DEVICE, capacity=GraphCapacity(2, 50, max_levels=1, max_work_items=0))
-    with pytest.raises(ValueError, match="the plan needs 1 work items and 1 partial rows, over the backend's "
+    with pytest.raises(ValueError, match="the plan needs 1 work items and 0 partial rows, over the backend's "
                        "capacity of 0 and"):  # fmt: skip
         backend.plan(plan, **HEADS)

@@ -4,10 +4,11 @@
 levels by tile shape into one launch per shape, and uploads everything (work lists, page ids, row
 tables) into one int32 device buffer with a single copy. ``run`` then only checks the layer's
 tensors and launches: one attention launch per tile shape (usually one or two), then one merge
-launch. Every (level, split) of a query token writes a partial (out, lse) row into one float32
-buffer, the token's rows contiguous; the merge combines them and writes the token's output straight
-to its engine-order row. The attention kernel reads q through the same permutation, so q is never
-copied. A plan with one level and no split skips the buffer: that level writes the output directly.
+launch. A query token with one partial state in all (one level's KV, unsplit) writes its output
+straight to its engine-order row. Every (level, split) of any other token writes a partial (out,
+lse) row into one float32 buffer, the token's rows contiguous; the merge combines them and writes
+the token's output to its engine-order row. The attention kernel reads q through the same
+permutation, so q is never copied. A plan without tokens to merge launches no merge.
 
 With a ``GraphCapacity`` the backend keeps fixed-size buffers and a fixed set of launches (a narrow
 and a wide tile, each over a fixed persistent grid, then the merge over every row): ``run`` can be
@@ -94,14 +95,16 @@ class _Launch:
 
 class _Sections:
     """Offsets of the int32 sections in the one device buffer of a plan: the item counts, the row
-    tables, the work lists, and the page ids last (so an upload can stop where the pages do)."""
+    tables (attention: o_rows per level, q_rows; merge: out rows, first partial rows, counts), the
+    work lists, and the page ids last (so an upload can stop where the pages do)."""
 
     def __init__(self, work_items: list[int], pages: int, levels: int, tokens: int) -> None:
         self.work_items, self.pages, self.levels, self.tokens = work_items, pages, levels, tokens
         self.num_work = 0
         self.o_rows = len(work_items)
         self.q_rows = self.o_rows + levels * tokens
-        self.starts = self.q_rows + tokens
+        self.merge_rows = self.q_rows + tokens
+        self.starts = self.merge_rows + tokens
         self.counts = self.starts + tokens
         offset = self.counts + tokens
         self.work: list[int] = []
@@ -169,13 +172,14 @@ class TritonBackend(AttentionBackend):
         self.kv_chunk_size = kv_chunk_size
         self.capacity = capacity
         self._max_query_rows = None if capacity is None else capacity.max_query_tokens
-        self._direct = False
+        self._merges = 0  # merge programs of the plan: tokens with 0 or several partial states
         self._max_page = -1
         self._launches: list[_Launch] = []
         self._ints: torch.Tensor | None = None  # the plan's int32 device buffer
         self._upload = _Upload(self.device)
         self._sections: _Sections | None = None
-        self._q_rows = self._o_rows = self._kv_indices = self._starts = self._counts = None
+        self._q_rows = self._o_rows = self._kv_indices = None
+        self._merge_rows = self._starts = self._counts = None
         self._part_o: torch.Tensor | None = None
         self._part_lse: torch.Tensor | None = None
         self._fixed_shape: tuple | None = None  # (heads, head_dim, page_size, sm_scale) of the buffers
@@ -245,23 +249,17 @@ class TritonBackend(AttentionBackend):
     def _prepare_exact(self, plan: CascadePlan, levels, order: np.ndarray) -> None:
         nq = plan.num_query_tokens
         tiles, works, splits = self._schedule(plan, levels, None, self.kv_chunk_size)
-        rows_per_token = splits.sum(axis=0)
         pages = sum(level.kv_indices.shape[0] for level in levels)
         sec = _Sections([w.shape[0] for w in works], pages, len(levels), nq)
         host = self._upload.image(sec.size)
-        self._direct = len(levels) == 1 and bool((rows_per_token == 1).all())
-        self._fill(host, sec, works, levels, splits, order, nq)
-        if self._direct:
-            # The only partial state is the final one: write it to the output's engine-order rows.
-            host[sec.o_rows : sec.o_rows + nq] = order
+        merges, num_rows = self._fill(host, sec, works, levels, splits, order, nq)
         self._ints = self._reuse("ints", sec.size, torch.int32)
         self._upload.copy(self._ints, sec.size)
-        self._bind(sec, tiles, exact=True)
-        num_rows = nq if self._direct else int(rows_per_token.sum())
+        self._bind(sec, tiles, exact=True, merges=merges)
+        # One row at least: the kernel takes the buffers' addresses even when it stores nothing.
+        num_rows = max(num_rows, 1)
         heads, dim = self.num_qo_heads, self.head_dim
-        self._part_o = (
-            None if self._direct else self._reuse("o", num_rows * heads * dim).view(num_rows, heads, dim)
-        )
+        self._part_o = self._reuse("o", num_rows * heads * dim).view(num_rows, heads, dim)
         self._part_lse = self._reuse("lse", num_rows * heads).view(num_rows, heads)
 
     def _reuse(self, name: str, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -306,7 +304,8 @@ class TritonBackend(AttentionBackend):
         for max_splits in (MAX_SPLITS, 16, 8, 4, 2, 1):
             _, works, splits = self._schedule(plan, levels, tiles, self.kv_chunk_size, max_splits)
             items = [w.shape[0] for w in works]
-            rows = int(splits.sum())
+            rows_per_token = splits.sum(axis=0)
+            rows = int(rows_per_token.sum() - np.count_nonzero(rows_per_token == 1))
             if max(items) <= cap.work_items and rows <= cap.partial_rows:
                 break
         else:
@@ -317,21 +316,22 @@ class TritonBackend(AttentionBackend):
         sec = _Sections([cap.work_items] * len(tiles), cap.max_pages, cap.max_levels, cap.max_query_tokens)
         if self._fixed_shape is None:
             self._ints = torch.zeros(sec.size, dtype=torch.int32, device=self.device)
-            self._bind(sec, list(tiles), exact=False)
+            self._bind(sec, list(tiles), exact=False, merges=cap.max_query_tokens)
             self._part_o = self._float_buffer((cap.partial_rows, self.num_qo_heads, self.head_dim))
             self._part_lse = self._float_buffer((cap.partial_rows, self.num_qo_heads))
             self._fixed_shape = shape
         assert self._ints is not None
         host = self._upload.image(sec.size)
         host[: sec.kv_indices] = 0
-        host[sec.q_rows : sec.q_rows + sec.tokens] = -1  # padding tokens: the merge writes nothing
-        self._direct = False
+        # Merge programs past the plan's merged tokens have no rows and write nothing.
+        host[sec.merge_rows : sec.merge_rows + sec.tokens] = -1
         self._fill(host, sec, works, levels, splits, order, cap.max_query_tokens)
         # Stale page ids past this plan's are never read: the copy stops at the last one used.
         self._upload.copy(self._ints, sec.kv_indices + pages)
 
-    def _fill(self, host, sec: _Sections, works, levels, splits, order, token_stride: int) -> None:
-        """Write a plan's int sections into ``host`` (work lists, counts, pages, row tables)."""
+    def _fill(self, host, sec: _Sections, works, levels, splits, order, token_stride: int) -> tuple[int, int]:
+        """Write a plan's int sections into ``host`` (work lists, counts, pages, row tables); returns
+        (merged tokens, partial rows)."""
         nq = order.shape[0]
         for offset, work in zip(sec.work, works, strict=True):
             host[offset : offset + work.size] = work.reshape(-1)
@@ -342,23 +342,45 @@ class TritonBackend(AttentionBackend):
             at += level.kv_indices.shape[0]
         through = np.cumsum(splits, axis=0)  # a token's rows in the levels up to each
         rows_per_token = through[-1]
-        starts = np.cumsum(rows_per_token) - rows_per_token
+        final = rows_per_token == 1
         rows = host[sec.o_rows : sec.o_rows + len(levels) * token_stride].reshape(len(levels), token_stride)
-        rows[:, :nq] = through - splits + starts
         host[sec.q_rows : sec.q_rows + nq] = order
-        host[sec.starts : sec.starts + nq] = starts
-        host[sec.counts : sec.counts + nq] = rows_per_token
+        if final.all():
+            # Every token's one state is its output: o_rows -1 - r sends it to engine row r.
+            rows[:, :nq] = -1 - order
+            return 0, 0
+        # Partial rows for the other tokens only, contiguous per token in planned order; the merge's
+        # programs take those tokens in that order.
+        some_final = final.any()
+        merged = np.flatnonzero(~final) if some_final else slice(None)
+        counts = rows_per_token[merged]
+        ends = np.cumsum(counts)
+        starts = ends - counts
+        if some_final:
+            first = np.zeros(nq, dtype=np.int64)
+            first[merged] = starts
+            rows[:, :nq] = through - splits + first
+            rows[:, :nq][:, final] = -1 - order[final]
+        else:
+            rows[:, :nq] = through - splits + starts
+        k = counts.shape[0]
+        host[sec.merge_rows : sec.merge_rows + k] = order[merged]
+        host[sec.starts : sec.starts + k] = starts
+        host[sec.counts : sec.counts + k] = counts
+        return k, int(ends[-1])
 
-    def _bind(self, sec: _Sections, tiles: list[TileConfig], *, exact: bool) -> None:
-        """Views of the int buffer, and the launches with their grids."""
+    def _bind(self, sec: _Sections, tiles: list[TileConfig], *, exact: bool, merges: int) -> None:
+        """Views of the int buffer, and the launches with their grids (``merges`` merge programs)."""
         ints = self._ints
         assert ints is not None
         self._sections = sec
+        self._merges = merges
         self._kv_indices = ints[sec.kv_indices : sec.kv_indices + sec.pages]
         self._o_rows = ints[sec.o_rows : sec.o_rows + sec.levels * sec.tokens]
         self._q_rows = ints[sec.q_rows : sec.q_rows + sec.tokens]
-        self._starts = ints[sec.starts : sec.starts + sec.tokens]
-        self._counts = ints[sec.counts : sec.counts + sec.tokens]
+        self._merge_rows = ints[sec.merge_rows : sec.merge_rows + merges]
+        self._starts = ints[sec.starts : sec.starts + merges]
+        self._counts = ints[sec.counts : sec.counts + merges]
         sms = num_sms(self.device)
         self._launches = []
         for i, (tile, items) in enumerate(zip(tiles, sec.work_items, strict=True)):
@@ -404,7 +426,9 @@ class TritonBackend(AttentionBackend):
             )
             for launch in self._launches
         ]
-        self._merge_launch = MergeLaunch(self._starts.shape[0], self.num_qo_heads, self.head_dim)
+        self._merge_launch = None
+        if self._merges:
+            self._merge_launch = MergeLaunch(self._merges, self.num_qo_heads, self.head_dim)
         self._launch_key = key
 
     def _run(self, plan, q, kv_cache, k, v, out) -> None:
@@ -421,20 +445,19 @@ class TritonBackend(AttentionBackend):
         if q.dtype != self._bound_dtype:
             self._bind_launches(q.dtype, plan.page_size)
         self.launch_levels(q, k, v, out)
-        if not self._direct:
+        if self._merges:
             self.merge(out)
 
     def launch_levels(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
         """The attention launches of the plan (arguments checked by ``run``, launches bound to q's
         dtype)."""
-        part_o = out if self._direct else self._part_o
         for launch, bound in zip(self._launches, self._attention_launches, strict=True):
             bound(
                 q, self._q_rows, k, v, self._kv_indices, launch.work, launch.num_work, self._o_rows,
-                part_o, self._part_lse, self._qk_scale,
+                self._part_o, self._part_lse, out, self._qk_scale,
             )  # fmt: skip
 
     def merge(self, out: torch.Tensor) -> None:
         """Merge the partial states into ``out``'s engine-order rows."""
         assert self._merge_launch is not None
-        self._merge_launch(self._part_o, self._part_lse, self._starts, self._counts, out, self._q_rows)
+        self._merge_launch(self._part_o, self._part_lse, self._starts, self._counts, out, self._merge_rows)
