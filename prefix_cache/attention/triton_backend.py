@@ -39,9 +39,13 @@ from prefix_cache.kernels.work import (
     tile_config,
 )
 
-# A fixed-capacity launch runs this many waves of the device's resident programs, which loop over
-# whatever (item, KV head) pairs the current plan wrote.
-PERSISTENT_WAVES = 4
+
+def persistent_waves(tile: TileConfig) -> int:
+    """Waves of the device's resident programs a fixed-capacity launch of ``tile`` runs; they loop
+    over whatever (item, KV head) pairs the current plan wrote. An H200 sweep (benchmarks/NOTES.md,
+    attempt 12): more waves of wide tiles cut prefill by 4-10% (long causal items balance better),
+    while every extra wave of idle decode programs costs a small decode about 1 µs."""
+    return 4 if tile.resident_per_sm() >= 4 else 8
 
 
 @dataclass(frozen=True)
@@ -387,7 +391,7 @@ class TritonBackend(AttentionBackend):
             pairs = items * self.num_kv_heads
             # Exact plans: one program per (item, KV head). Fixed plans: a persistent grid sized to
             # the device, looping over whatever number of items the current plan wrote.
-            programs = pairs if exact else min(pairs, sms * tile.resident_per_sm() * PERSISTENT_WAVES)
+            programs = pairs if exact else min(pairs, sms * tile.resident_per_sm() * persistent_waves(tile))
             if programs == 0:
                 continue
             work = ints[sec.work[i] : sec.work[i] + items * WORK_COLS].view(items, WORK_COLS)
