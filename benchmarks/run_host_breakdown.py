@@ -5,7 +5,8 @@ call (median of 5 samples of 200 calls, launches queued without a sync):
 
 - ``run``: the public call; ``_run``: without ``run``'s checks and the KV split; ``launches``: the
   plan's bound launches alone;
-- for the plan's first attention launch: the specialization key (``_launch.specialization``), the
+- for the plan's first attention launch: the specialization of all its arguments
+  (``_launch.specialization``; a launch reads only the layer's tensors, the plan's are cached), the
   compiled kernel's launcher called with everything prepared, and Triton's JIT path
   (``kernel[grid](*args, **constants)``);
 - yardsticks of the host: an empty one-argument Triton kernel through both paths, a PyTorch
@@ -85,8 +86,7 @@ def breakdown(case) -> dict:
     bound = backend._attention_launches[0]._kernel
     args = attention_args(backend, q, k, v, out)
     device = torch.cuda.current_device()
-    key = (device, *_launch.specialization(args))
-    run, function, metadata, tail, stream_of = bound._launchers[key]
+    (run, function, metadata, tail, stream_of), *_ = bound._launchers.values()  # the run's one launcher
     gx, gy, gz = bound._grid3
     row = {
         "case": case.name,
@@ -94,7 +94,7 @@ def breakdown(case) -> dict:
         "run": us(lambda: backend.run(q, kv_cache, out=out)),
         "_run": us(lambda: backend._run(plan, q, kv_cache, k, v, out)),
         "launches only": us(launches),
-        "key": us(lambda: _launch.specialization(args)),
+        "full key": us(lambda: _launch.specialization(args)),
         "compiled launcher": us(
             lambda: run(gx, gy, gz, stream_of(device), function, metadata, None, None, None, *args, *tail)
         ),

@@ -5,6 +5,8 @@ compiled kernel up and only then launches: 45-85 µs per launch of our ~30-argum
 on an H200's host. A ``BoundKernel`` fixes the grid and the compile-time constants once (per plan)
 and remembers, per specialization of the arguments, the ``CompiledKernel`` that Triton's own path
 returned for it: later calls with the same specialization go straight to that kernel's launcher.
+The attention and merge launches pass their key in parts: their plan's buffers, the same objects for
+every layer, are read once (``CachedSpecialization``), the layer's tensors at every call.
 
 The specialization key is conservative: every tensor's dtype and address modulo 16 and every other
 argument's exact value (Triton specializes on a tensor's dtype and 16-byte alignment, and on an
@@ -62,6 +64,23 @@ def specialization(args: tuple) -> tuple:
     return tuple([(a.dtype, a.data_ptr() & 15) if isinstance(a, torch.Tensor) else a for a in args])
 
 
+class CachedSpecialization:
+    """``specialization`` of arguments that stay the same objects from call to call (a plan's own
+    buffers, passed again for every layer), recomputed only when another object comes: checking
+    identity costs a fraction of reading every tensor's dtype and address. It holds the last
+    objects, so an identical-looking new object is never mistaken for them."""
+
+    def __init__(self) -> None:
+        self._args: tuple = ()
+        self._key: tuple = ()
+
+    def __call__(self, *args: Any) -> tuple:
+        last = self._args
+        if len(args) != len(last) or any(a is not b for a, b in zip(args, last, strict=True)):
+            self._args, self._key = args, specialization(args)
+        return self._key
+
+
 class BoundKernel:
     """A ``@triton.jit`` kernel with its grid and compile-time constants fixed.
 
@@ -80,11 +99,17 @@ class BoundKernel:
         self._launchers: dict[tuple, Any] = {}
 
     def __call__(self, *args: Any) -> None:
+        self.launch(specialization(args) if self._direct else (), args)
+
+    def launch(self, key: tuple, args: tuple) -> None:
+        """Launch ``args`` (the kernel's positional arguments), ``key`` standing for their
+        specialization: ``specialization(args)``, or any tuple that is equal for two calls only when
+        theirs are (callers that know part of it ahead pass that part precomputed)."""
         if not self._direct:
             self.kernel[self.grid](*args, **self.constants)
             return
         device = torch.cuda.current_device()
-        key = (device, *specialization(args))
+        key = (device, *key)
         launcher = self._launchers.get(key)
         if launcher is None:
             launcher = self._launchers[key] = self._launcher(key, args)

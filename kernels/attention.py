@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 from prefix_cache.kernels._common import LOG2E, check_runnable, interpreting, next_pow2, num_sms
-from prefix_cache.kernels._launch import BoundKernel
+from prefix_cache.kernels._launch import BoundKernel, CachedSpecialization, specialization
 from prefix_cache.kernels.merge_state import merge_states_varlen
 from prefix_cache.kernels.work import (
     WORK_COLS,
@@ -250,6 +250,7 @@ class AttentionLaunch:
                 num_stages=1 if dtype == torch.float32 else tile.num_stages,
             ),
         )  # fmt: skip
+        self._plan_key = CachedSpecialization()
 
     def __call__(
         self,
@@ -268,10 +269,16 @@ class AttentionLaunch:
     ) -> None:
         """Run ``num_work[0]`` items of ``work``: see ``launch_attention`` for the arguments."""
         sq, sk, sv, so, sf = q.stride(), k.stride(), v.stride(), out.stride(), final.stride()
-        self._kernel(
-            q, q_rows, k, v, kv_indices, work, num_work, o_rows, out, lse, final, qk_scale,
-            sq[0], sq[1], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], so[0], so[1], lse.stride(0), sf[0], sf[1],
+        scalars = (
+            qk_scale, sq[0], sq[1], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], so[0], so[1], lse.stride(0),
+            sf[0], sf[1],
         )  # fmt: skip
+        # The plan's buffers are the same objects for every layer: only the layer's tensors are read.
+        plan = (q_rows, kv_indices, work, num_work, o_rows, out, lse)
+        key = (self._plan_key(*plan), *specialization((q, k, v, final)), *scalars)
+        self._kernel.launch(
+            key, (q, q_rows, k, v, kv_indices, work, num_work, o_rows, out, lse, final, *scalars)
+        )
 
 
 def launch_attention(

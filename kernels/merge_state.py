@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 from prefix_cache.kernels._common import check_runnable, next_pow2
-from prefix_cache.kernels._launch import BoundKernel
+from prefix_cache.kernels._launch import BoundKernel, CachedSpecialization, specialization
 
 
 @triton.jit
@@ -185,6 +185,7 @@ class MergeLaunch:
                 WRITE_LSE=False,
             ),
         )  # fmt: skip
+        self._plan_key = CachedSpecialization()
 
     def __call__(
         self,
@@ -196,9 +197,7 @@ class MergeLaunch:
         out_rows: torch.Tensor,
     ) -> None:
         so, sout, slse = o.stride(), out.stride(), lse.stride(0)
-        self._kernel(
-            o, lse, starts, counts, out_rows, out, lse,
-            self.num_heads, 0, 1,
-            so[0], so[1], slse,
-            sout[0], sout[1], slse,
-        )  # fmt: skip
+        scalars = (self.num_heads, 0, 1, so[0], so[1], slse, sout[0], sout[1], slse)
+        # Everything but ``out`` is the plan's, the same objects for every layer.
+        key = (self._plan_key(o, lse, starts, counts, out_rows), *specialization((out,)), *scalars)
+        self._kernel.launch(key, (o, lse, starts, counts, out_rows, out, lse, *scalars))

@@ -111,3 +111,81 @@ def test_triton_path_where_direct_launches_do_not_apply(direct, monkeypatch: pyt
     fn = FakeJIT()
     _launch.BoundKernel(fn, (2,), {"C": 1})(x, 4)
     assert len(fn.jit_launches) == 1 and fn.compiled == []
+
+
+def test_a_given_key_stands_for_the_specialization(direct) -> None:
+    """``launch`` with a caller's key: equal keys reuse the launcher, another key compiles again."""
+    fn = FakeJIT()
+    bound = _launch.BoundKernel(fn, (5,), {"C": 3})
+    x = torch.zeros(64, dtype=torch.float16)
+    bound.launch(("plan", 32), (x, 32))
+    bound.launch(("plan", 32), (x, 32))
+    bound.launch(("other plan", 32), (x, 32))
+    assert [len(c.launches) for c in fn.compiled] == [2, 1]
+
+
+def test_cached_specialization_recomputes_only_for_other_objects(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    real = _launch.specialization
+    monkeypatch.setattr(_launch, "specialization", lambda args: calls.append(args) or real(args))
+    cached = _launch.CachedSpecialization()
+    storage = torch.zeros(64, dtype=torch.float16)
+    a, b = storage[:32], storage[8:40]
+    first = cached(a, b)
+    assert cached(a, b) is first and len(calls) == 1  # the same objects: not read again
+    assert cached(storage[:32], b) == first and len(calls) == 2  # a new object: read, same key
+    assert cached(storage[1:33], b) != first  # misaligned
+    assert cached(a.float(), b) != first  # another dtype
+    assert cached(a) != first  # fewer arguments
+
+
+class RecordingKernel:
+    """Stands in for a ``BoundKernel``: records each launch's key and arguments."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[tuple, tuple]] = []
+
+    def launch(self, key: tuple, args: tuple) -> None:
+        self.calls.append((key, args))
+
+
+def _keys_tell_every_argument(launch, args: list) -> None:
+    """Changing any one argument's alignment (tensors) or value (numbers) gives another key, and the
+    launch passes the arguments it was given in the kernel's order."""
+    recorder = launch._kernel = RecordingKernel()
+    launch(*args)
+    base_key = recorder.calls[-1][0]
+    for i, arg in enumerate(args):
+        changed = list(args)
+        if isinstance(arg, torch.Tensor):
+            changed[i] = torch.zeros(arg.numel() + 8, dtype=arg.dtype)[1 : 1 + arg.numel()].view(arg.shape)
+        else:
+            changed[i] = arg * 2
+        launch(*changed)
+        assert recorder.calls[-1][0] != base_key, f"argument {i} is not in the key"
+        launch(*args)  # back to the plan's objects: the first key again
+        assert recorder.calls[-1][0] == base_key
+
+
+def test_attention_launch_keys_every_argument() -> None:
+    from prefix_cache.kernels.attention import AttentionLaunch
+    from prefix_cache.kernels.work import TileConfig
+
+    launch = AttentionLaunch(num_programs=4, group_size=2, tile=TileConfig(16, 16, 1, 1), num_kv_heads=1,
+                             page_size=4, head_dim=16, dtype=torch.float16)  # fmt: skip
+    q, out = torch.zeros(3, 2, 16, dtype=torch.float16), torch.zeros(4, 2, 16)
+    kv = torch.zeros(5, 4, 1, 16, dtype=torch.float16)
+    ints = [torch.zeros(8, dtype=torch.int32) for _ in range(5)]
+    args = [q, ints[0], kv, kv.clone(), ints[1], ints[2], ints[3], ints[4], out, torch.zeros(4, 2),
+            torch.zeros(3, 2, 16, dtype=torch.float16), 0.125]  # fmt: skip
+    _keys_tell_every_argument(launch, args)
+
+
+def test_merge_launch_keys_every_argument() -> None:
+    from prefix_cache.kernels.merge_state import MergeLaunch
+
+    launch = MergeLaunch(num_tokens=3, num_heads=2, head_dim=16)
+    starts, counts, out_rows = (torch.zeros(3, dtype=torch.int32) for _ in range(3))
+    out = torch.zeros(3, 2, 16, dtype=torch.float16)
+    args = [torch.zeros(6, 2, 16), torch.zeros(6, 2), starts, counts, out, out_rows]
+    _keys_tell_every_argument(launch, args)
