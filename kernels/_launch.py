@@ -68,7 +68,8 @@ class CachedSpecialization:
     """``specialization`` of arguments that stay the same objects from call to call (a plan's own
     buffers, passed again for every layer), recomputed only when another object comes: checking
     identity costs a fraction of reading every tensor's dtype and address. It holds the last
-    objects, so an identical-looking new object is never mistaken for them."""
+    objects, so an identical-looking new object is never mistaken for them. Callers must not move
+    a cached tensor to other memory in place (``set_``, ``resize_``): its key would be stale."""
 
     def __init__(self) -> None:
         self._args: tuple = ()

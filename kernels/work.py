@@ -21,7 +21,8 @@ from prefix_cache.kernels._common import cdiv, interpreting, next_pow2
 # Columns of a work item (int32): query tokens [Q0, Q1) of the tile (planned order), the group's
 # first entry in kv_indices, KV token range [KV0, KV1) of this split, the split's index, the causal
 # diagonal (query token t may see KV positions <= t + DIAG) and the offset of the item's level in the
-# o_rows table (token t's partial state goes to row o_rows[OROW + t] + SPLIT).
+# o_rows table (token t's partial state goes to row o_rows[OROW + t] + SPLIT; an entry -1 - r instead
+# sends the token's only state, its output, to row r of the final output).
 Q0, Q1, PAGE0, KV0, KV1, SPLIT, DIAG, OROW = range(8)
 WORK_COLS = 8
 

@@ -176,7 +176,9 @@ class TritonBackend(AttentionBackend):
         self.kv_chunk_size = kv_chunk_size
         self.capacity = capacity
         self._max_query_rows = None if capacity is None else capacity.max_query_tokens
-        self._merges = 0  # merge programs of the plan: tokens with 0 or several partial states
+        # Merge programs: an exact plan's tokens with 0 or several partial states; a fixed-capacity
+        # backend's max_query_tokens (those past the plan's merged tokens write nothing).
+        self._merges = 0
         self._max_page = -1
         self._launches: list[_Launch] = []
         self._ints: torch.Tensor | None = None  # the plan's int32 device buffer
