@@ -11,9 +11,9 @@ the token's output to its engine-order row. The attention kernel reads q through
 permutation, so q is never copied. A plan without tokens to merge launches no merge.
 
 With a ``GraphCapacity`` the backend keeps fixed-size buffers and a fixed set of launches (a narrow
-and a wide tile, each over a fixed persistent grid, then the merge over every row): ``run`` can be
-captured in a CUDA graph once and replayed after any later ``plan`` that fits the capacity, because
-``plan`` only rewrites the contents of the same device buffers.
+and a wide tile, each over a fixed persistent grid, then the merge over one program per token of
+the capacity): ``run`` can be captured in a CUDA graph once and replayed after any later ``plan``
+that fits the capacity, because ``plan`` only rewrites the contents of the same device buffers.
 """
 
 from __future__ import annotations
