@@ -150,8 +150,8 @@ class RecordingKernel:
 
 
 def _keys_tell_every_argument(launch, args: list) -> None:
-    """Changing any one argument's alignment (tensors) or value (numbers) gives another key, and the
-    launch passes the arguments it was given in the kernel's order."""
+    """Changing any one argument's alignment (tensors) or value (numbers) gives another key, and
+    going back to the first objects gives the first key again."""
     recorder = launch._kernel = RecordingKernel()
     launch(*args)
     base_key = recorder.calls[-1][0]
