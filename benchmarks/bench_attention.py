@@ -3,7 +3,9 @@
 Per case (a batch: requests over a sharing tree of prefixes, shuffled physical pages, bf16), the arms:
 
 - ``ours``: ``CascadePlanner().plan`` + ``create_backend("auto")``, exactly as an engine calls them
-  (plan given the dtype); ``graph``: the fixed-capacity Triton backend captured once in a CUDA graph;
+  (plan given the dtype); ``ours graph``: ``create_backend("auto", capacity=...)`` captured in a CUDA
+  graph (its launches for the plan's ``graph_key``: FlashInfer's CUDA-graph wrappers for one-level
+  plans it routes there, our fixed-capacity Triton launches otherwise);
 - ``ours cascade`` / ``ours one level``: the Triton backend on the cascade the sharing thresholds keep
   (no cost model) / on one level (``max_levels=1``): the two choices the planner's cost model picks
   between;
@@ -247,14 +249,15 @@ def our_arms(case, tables, kv_lens, qo_lens, q, kv_cache, cuda, dtype) -> list[A
     def fixed_backend(p):
         pages = sum(level.kv_indices.shape[0] for level in p.levels)
         capacity = GraphCapacity(max_query_tokens=p.num_query_tokens, max_pages=max(pages, 1))
-        backend = create_backend("triton", device=device, capacity=capacity)
+        backend = create_backend("auto", device=device, capacity=capacity)
         backend.plan(p, **heads)
         return backend
 
     if cuda:
         fixed = fixed_backend(plan)
         out_fixed = torch.empty_like(q)
-        arms.append(Arm("ours graph", lambda: fixed.run(q, kv_cache, out=out_fixed), note="fixed capacity"))
+        arms.append(Arm("ours graph", lambda: fixed.run(q, kv_cache, out=out_fixed),
+                        note=f"fixed capacity, graph key {fixed.graph_key}"))  # fmt: skip
     thresholds_only = CascadePlanner(**({"cost_model": None} if _has_cost_model() else {}))
     for name, p in (
         ("ours cascade", thresholds_only.plan(tables, kv_lens, qo_lens, case.page_size)),

@@ -381,3 +381,123 @@ def test_auto_backend_routes() -> None:
         for mine in (torch.full_like(q, float("nan")), strided):
             assert backend.run(q, kv_cache, out=mine) is mine
             torch.testing.assert_close(mine.double(), expected, atol=1.6e-2 * scale, rtol=0, msg=route)
+
+
+def test_graph_keys() -> None:
+    """Under a capacity, one-level plans that the routing sends to FlashInfer take its decode or
+    prefill graph; every other plan, and every plan of a backend without FlashInfer, the Triton one;
+    a backend without a capacity has no key."""
+    pytest.importorskip("triton")
+    from prefix_cache.attention.auto_backend import Routing, choose_graph_key
+    from prefix_cache.attention.triton_backend import GraphCapacity
+
+    routing = Routing(prefill_min_tokens=8, prefill_tokens=16)
+    unshared = [np.arange(20 * i, 20 * i + 20) for i in range(3)]
+    decode = CascadePlanner().plan(unshared, [300, 310, 20], [1, 1, 1], 16)
+    prefill = CascadePlanner().plan(unshared, [300, 310, 20], [16, 1, 1], 16)
+    assert choose_graph_key(decode, 4, routing) == "flashinfer-decode"
+    assert choose_graph_key(prefill, 4, routing) == "flashinfer-prefill"
+    assert choose_graph_key(prefill, 32, routing) == "flashinfer-prefill"
+    assert choose_graph_key(decode, 32, routing) == "triton"  # FlashInfer's decode routing stops at 8
+    assert choose_graph_key(prefill, 4, Routing(prefill_min_tokens=8, prefill_tokens=17)) == "triton"
+    # A request without a query this step: FlashInfer's fixed batch gives each request a row.
+    idle = CascadePlanner().plan(unshared, [300, 310, 20], [1, 0, 1], 16)
+    assert len(idle.levels) == 1 and choose_graph_key(idle, 4, routing) == "triton"
+    shared = [np.array([*range(32), 100 + i]) for i in range(4)]
+    cascade = CascadePlanner(min_shared_tokens=256, min_saved_tokens=0).plan(
+        shared, [520] * 4, [16, 1, 1, 1], 16
+    )
+    assert len(cascade.levels) == 2 and choose_graph_key(cascade, 4, routing) == "triton"
+
+    device = SWEEPS["triton"].device
+    heads = dict(num_qo_heads=4, num_kv_heads=1, head_dim=16, q_dtype=torch.float32)
+    capacity = GraphCapacity(max_query_tokens=8, max_pages=100)
+    for name in ("triton", "auto"):
+        assert create_backend(name, device=device).graph_key is None
+        backend = create_backend(name, device=device, capacity=capacity)
+        backend.plan(decode, **heads)  # float32: never FlashInfer
+        assert backend.graph_key == "triton"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+def test_auto_backend_graphs_replay_across_plans_of_each_key(layout: str) -> None:
+    """With a capacity, the auto backend's three launch sets (FlashInfer decode, FlashInfer prefill,
+    our Triton cascade) each replay from one CUDA graph, captured at its key's first plan, after later
+    plans of that key with other batch sizes, lengths and query counts: every replay against the
+    float64 reference, the padding rows untouched, into a contiguous ``out`` and a strided one. A plan
+    over the capacity raises and leaves the backend serving plans that fit."""
+    pytest.importorskip("flashinfer")
+    from prefix_cache.attention.auto_backend import Routing
+    from prefix_cache.attention.triton_backend import GraphCapacity
+
+    page_size, hq, hkv, d, dtype, num_pages = 16, 32, 8, 128, torch.bfloat16, 900
+    capacity = GraphCapacity(max_query_tokens=48, max_pages=640, max_levels=2)
+    backend = create_backend(
+        "auto", capacity=capacity, routing=Routing(prefill_min_tokens=8, prefill_tokens=16)
+    )
+    heads = dict(num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, q_dtype=dtype)
+    rng = np.random.default_rng(5 if layout == "contiguous" else 6)
+    generator = torch.Generator().manual_seed(5)
+    kv_cache = torch.randn(num_pages, 2, page_size, hkv, d, generator=generator).to("cuda", dtype)
+    planner = CascadePlanner(min_shared_tokens=256, min_saved_tokens=0)
+
+    def batch(kind: str):
+        free = list(rng.permutation(num_pages))
+        if kind == "shared":
+            shared = [free.pop() for _ in range(32)]  # 512 tokens
+            n = int(rng.integers(2, 9))
+            tables = [np.array([*shared, free.pop()]) for _ in range(n)]
+            kv_lens = [512 + int(rng.integers(1, page_size + 1)) for _ in range(n)]
+            return tables, kv_lens, [1] * n
+        n = int(rng.integers(1, 13)) if kind == "decode" else int(rng.integers(1, 3))
+        qo_lens = [1] * n if kind == "decode" else [int(rng.integers(16, 24)) for _ in range(n)]
+        kv_lens = [int(rng.integers(qo, 400)) for qo in qo_lens]
+        tables = [np.array([free.pop() for _ in range(-(-kv // page_size))]) for kv in kv_lens]
+        return tables, kv_lens, qo_lens
+
+    q = torch.zeros(capacity.max_query_tokens, hq, d, dtype=dtype, device="cuda")
+    if layout == "contiguous":
+        out = torch.zeros_like(q)
+    else:
+        out = torch.zeros(capacity.max_query_tokens, hq, 2 * d, dtype=dtype, device="cuda")[..., :d]
+    graphs: dict[str, torch.cuda.CUDAGraph] = {}
+    keys = {"decode": "flashinfer-decode", "prefill": "flashinfer-prefill", "shared": "triton"}
+    replayed: dict[str, set[int]] = {}
+
+    def step(kind: str) -> None:
+        tables, kv_lens, qo_lens = batch(kind)
+        plan = planner.plan(tables, kv_lens, qo_lens, page_size)
+        backend.plan(plan, **heads)
+        key = backend.graph_key
+        assert key == keys[kind]
+        nq = plan.num_query_tokens
+        q[:nq] = torch.randn(nq, hq, d, generator=generator).to("cuda", dtype)
+        if key not in graphs:
+            backend.run(q, kv_cache, out=out)  # compiles outside the capture
+            torch.cuda.synchronize()
+            graphs[key] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graphs[key]):
+                backend.run(q, kv_cache, out=out)
+        out.fill_(float("nan"))
+        graphs[key].replay()
+        expected = reference_attention(q[:nq], kv_cache, tables, kv_lens, qo_lens, d**-0.5)
+        got = out[:nq].double()
+        assert got.isfinite().all() and out[nq:].isnan().all(), key
+        torch.testing.assert_close(got, expected, atol=1.6e-2 * float(expected.abs().max()), rtol=0, msg=key)
+        replayed.setdefault(key, set()).add(nq)
+
+    for kind in ["decode", "prefill", "shared"] * 4:
+        step(kind)
+    assert all(len(counts) >= 2 for counts in replayed.values()), replayed  # other row counts replayed
+    many = [np.array([i]) for i in range(capacity.max_query_tokens + 1)]
+    too_many = planner.plan(many, [5] * len(many), [1] * len(many), page_size)
+    with pytest.raises(ValueError, match="49 query tokens, over the backend's capacity of 48"):
+        backend.plan(too_many, **heads)
+    long = planner.plan([np.arange(641)], [641 * page_size], [16], page_size)
+    with pytest.raises(ValueError, match="641 pages, over the backend's capacity of 640"):
+        backend.plan(long, **heads)
+    with pytest.raises(ValueError, match="keeps its heads"):
+        backend.plan(planner.plan(*batch("decode"), page_size), **{**heads, "num_qo_heads": 16})
+    step("decode")

@@ -1,20 +1,22 @@
 """Decode steps replayed from CUDA graphs, one graph per batch-size bucket.
 
 A step whose batch is all single-token chunks (decodes) is padded to the smallest bucket that holds
-it (1, 2, 4, ... up to ``max_num_seqs``). Each bucket owns a Triton backend with a ``GraphCapacity``
-of that many query tokens (``bucket_capacity``: its KV-split buffers grow with the bucket), static
-input buffers (token ids, positions, KV slots, the rows to sample) and, after its first use, a
-graph of the model's whole forward over them. Per step: the step's plan goes into the bucket's
-backend (``plan`` only rewrites the contents of the backend's fixed buffers), the inputs are copied
-into the static buffers, the graph is replayed, and the logits of the sampled rows are read from
-the graph's static output.
+it (1, 2, 4, ... up to ``max_num_seqs``). Each bucket owns an attention backend (the engine's, "auto"
+or "triton") with a ``GraphCapacity`` of that many query tokens (``bucket_capacity``: its KV-split
+buffers grow with the bucket), static input buffers (token ids, positions, KV slots, the rows to
+sample) and a graph of the model's whole forward over them per ``graph_key`` the backend has run
+(the "auto" backend runs a plan on one of three fixed sets of launches: FlashInfer's decode or
+prefill kernels for one level, our Triton kernels otherwise). Per step: the step's plan goes into
+the bucket's backend (``plan`` only rewrites the contents of the backend's fixed buffers), the
+inputs are copied into the static buffers, the graph of the plan's key is replayed, and the logits of
+the sampled rows are read from that graph's static output.
 
 Padding tokens have slot -1 (the KV-append kernel skips them, so no real page is written), are not
 in the plan (the backend leaves their attention rows alone) and are not among the rows sampled; the
 linear layers are row-wise, so whatever the padding rows hold never reaches a real row.
 
-A bucket's first use runs the forward eagerly through its static buffers (compiling the kernels
-for that shape; its logits are that step's result) and then captures the graph. A plan over the
+A bucket's first plan of a key runs the forward eagerly through its static buffers (compiling the
+kernels for that shape; its logits are that step's result) and then captures the key's graph. A plan over the
 bucket's capacity (more query tokens, levels or page ids than it holds, checked before planning)
 is refused with ``None`` and the engine runs that step eagerly; any other error of ``plan``
 propagates.
@@ -40,7 +42,7 @@ PADDING = np.array([[0], [0], [-1], [0]], dtype=np.int64)
 
 def graphs_apply(backend: str, device: torch.device) -> bool:
     """Whether decode steps can replay from CUDA graphs for an engine on ``device`` with attention
-    backend ``backend``: on CUDA with the Triton route ("auto" or "triton") only."""
+    backend ``backend``: on CUDA with "auto" or "triton" (the backends that take a capacity)."""
     return device.type == "cuda" and backend in ("auto", "triton")
 
 
@@ -82,20 +84,21 @@ def bucket_sizes(max_batch: int) -> list[int]:
 
 
 class _Bucket:
-    """One batch size: its backend, static inputs, and (after the first use) its graph."""
+    """One batch size: its backend, static inputs, and a graph per ``graph_key`` it has run."""
 
-    def __init__(self, model: LlamaModel, size: int, capacity: GraphCapacity) -> None:
-        self.backend = create_backend("triton", device=model.device, capacity=capacity)
+    def __init__(self, model: LlamaModel, backend: str, size: int, capacity: GraphCapacity) -> None:
+        self.backend = create_backend(backend, device=model.device, capacity=capacity)
         # Rows: token ids, positions, KV slots, rows to sample; one upload per step.
         self.inputs = torch.zeros(4, size, dtype=torch.int64, device=model.device)
         self.host = np.zeros((4, size), dtype=np.int64)
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.logits: torch.Tensor | None = None  # the graph's output, [size, vocab] float32
+        # graph key -> (the graph, its output: [size, vocab] float32 logits)
+        self.graphs: dict[str, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
 
 class DecodeGraphs:
     """CUDA graphs of the decode step of ``model`` over ``kv_pool``.
 
+    backend: the attention backend's name, "auto" or "triton".
     max_batch: the largest batch (the scheduler's ``max_num_seqs``); the largest bucket.
     max_levels: levels of the engine's plans (its planner's ``max_levels``).
     max_pages_per_seq: page ids a plan may list, per query token of the bucket, over all its levels;
@@ -106,13 +109,14 @@ class DecodeGraphs:
         self,
         model: LlamaModel,
         kv_pool: list[torch.Tensor],
+        backend: str,
         max_batch: int,
         max_levels: int,
         max_pages_per_seq: int,
     ) -> None:
         if model.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a model on CUDA, got {model.device}")
-        self.model, self.kv_pool = model, kv_pool
+        self.model, self.kv_pool, self.backend = model, kv_pool, backend
         self.sizes = bucket_sizes(max_batch)
         self.max_levels, self.max_pages_per_seq = max_levels, max_pages_per_seq
         self._buckets: dict[int, _Bucket] = {}
@@ -122,8 +126,8 @@ class DecodeGraphs:
 
     @property
     def captured(self) -> list[int]:
-        """The bucket sizes whose graph has been captured."""
-        return sorted(size for size, b in self._buckets.items() if b.graph is not None)
+        """The bucket sizes with at least one captured graph."""
+        return sorted(size for size, b in self._buckets.items() if b.graphs)
 
     def bucket(self, batch: int) -> int | None:
         """The bucket size for ``batch`` decodes, or None when it is larger than every bucket."""
@@ -132,7 +136,7 @@ class DecodeGraphs:
     def _get(self, size: int) -> _Bucket:
         if size not in self._buckets:
             capacity = bucket_capacity(size, self.max_levels, self.max_pages_per_seq)
-            self._buckets[size] = _Bucket(self.model, size, capacity)
+            self._buckets[size] = _Bucket(self.model, self.backend, size, capacity)
         return self._buckets[size]
 
     def run(
@@ -161,13 +165,15 @@ class DecodeGraphs:
         b.host[0, :n], b.host[1, :n], b.host[2, :n] = tokens, positions, slots
         b.host[3, : len(rows)] = rows
         b.inputs.copy_(torch.from_numpy(b.host))
-        if b.graph is not None:
-            b.graph.replay()
-            return b.logits[: len(rows)]
-        logits = self._forward(b)  # compiles the kernels for this bucket; this step's result
-        b.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(b.graph, pool=self._pool):
-            b.logits = self._forward(b)
+        key = b.backend.graph_key
+        if key in b.graphs:
+            graph, logits = b.graphs[key]
+            graph.replay()
+            return logits[: len(rows)]
+        logits = self._forward(b)  # compiles the kernels of this bucket and key; this step's result
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            b.graphs[key] = (graph, self._forward(b))
         return logits[: len(rows)]
 
     def _forward(self, b: _Bucket) -> torch.Tensor:

@@ -6,9 +6,10 @@ Per step: the scheduler picks samples and allocates their pages; one cascade pla
 newly full pages become matchable; finished samples are closed, their full pages staying cached for
 the conversation's next turn.
 
-On CUDA with the Triton route (backend "auto" or "triton"), a step whose batch is all single-token
-chunks (decodes) is replayed from a CUDA graph of its batch-size bucket (``cuda_graphs.py``); prefill
-and mixed steps, a decode plan over its bucket's capacity, and everything on the CPU run eagerly.
+On CUDA with backend "auto" or "triton" (those that take a ``GraphCapacity``), a step whose batch is
+all single-token chunks (decodes) is replayed from a CUDA graph of its batch-size bucket
+(``cuda_graphs.py``); prefill and mixed steps, a decode plan over its bucket's capacity, and
+everything on the CPU run eagerly.
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ class LLMEngine:
             self.graphs = DecodeGraphs(
                 model,
                 self.kv_pool,
+                config.backend,
                 max_batch=config.scheduler.max_num_seqs,
                 max_levels=planner.max_levels,
                 max_pages_per_seq=config.graph_max_pages_per_seq or config.num_pages,

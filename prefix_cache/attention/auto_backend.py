@@ -9,9 +9,15 @@ come from the side-by-side measurements in benchmarks/results/attention_h200.md)
   decode wrapper (faster than ours on small unshared batches).
 - ``triton``: everything else, in particular every decode batch with shared levels.
 
-FlashInfer is used only where it is importable, the device is CUDA, ``plan`` was given ``q_dtype``
-(fp16 or bf16) and the backend has no ``GraphCapacity``: a CUDA graph replays one fixed set of
-launches, so with a capacity every plan takes the Triton route, which is graph-safe across plans.
+FlashInfer is used only where it is importable, the device is CUDA and ``plan`` was given
+``q_dtype`` (fp16 or bf16).
+
+With a ``GraphCapacity`` (``run`` captured in CUDA graphs and replayed across plans), a plan of one
+level that the rule sends to FlashInfer runs on FlashInfer's CUDA-graph prefill wrappers
+(``prefix_cache.attention.flashinfer_graphs``: FA2 for decode, FA3 on Hopper for prefill), and
+every other plan on the fixed-capacity Triton backend. Those are three fixed sequences of launches,
+one graph each: ``graph_key`` names the current plan's, and a graph captured under one key replays
+after any later plan with the same key. An engine keeps a graph per (batch bucket, key).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from prefix_cache.attention.base import AttentionBackend
+from prefix_cache.attention.base import AttentionBackend, in_engine_order
 from prefix_cache.attention.triton_backend import GraphCapacity, TritonBackend
 from prefix_cache.cascade import CascadePlan
 
@@ -43,7 +49,7 @@ class Routing:
 
 
 def choose_route(plan: CascadePlan, group_size: int, routing: Routing) -> str:
-    """``"triton"`` or ``"flashinfer"`` for ``plan`` (see the module docstring)."""
+    """``"triton"`` or ``"flashinfer"`` for ``plan`` (see the module docstring), eager."""
     last = plan.levels[-1]
     q_len = np.diff(last.qo_indptr.astype(np.int64))
     chunks = q_len[q_len >= routing.prefill_min_tokens]
@@ -55,11 +61,25 @@ def choose_route(plan: CascadePlan, group_size: int, routing: Routing) -> str:
     return "triton"
 
 
+def choose_graph_key(plan: CascadePlan, group_size: int, routing: Routing) -> str:
+    """The launches of ``plan`` under a ``GraphCapacity``: ``"flashinfer-decode"`` or
+    ``"flashinfer-prefill"`` for a one-level plan in the engine's order that ``choose_route`` sends to
+    FlashInfer (every request one query token, or not), ``"triton"`` otherwise."""
+    if len(plan.levels) != 1 or choose_route(plan, group_size, routing) != "flashinfer":
+        return "triton"
+    if not in_engine_order(plan.query_order):
+        return "triton"
+    q_len = np.diff(plan.levels[0].qo_indptr.astype(np.int64))
+    if (q_len < 1).any():
+        return "triton"  # FlashInfer's fixed batch needs every request to own a query row
+    return "flashinfer-decode" if bool((q_len == 1).all()) else "flashinfer-prefill"
+
+
 class AutoBackend(AttentionBackend):
     """Cascade attention on the fastest kernels for each plan; see the module docstring.
 
     device: CUDA device (default: the current one; CPU tensors run the Triton route in Triton's
-        interpreter). capacity: see ``GraphCapacity`` (forces the Triton route). routing: thresholds.
+        interpreter). capacity: see ``GraphCapacity`` and the module docstring. routing: thresholds.
     """
 
     name = "auto"
@@ -75,41 +95,76 @@ class AutoBackend(AttentionBackend):
         super().__init__()
         self._triton = TritonBackend(device, capacity=capacity)
         self.device = self._triton.device
+        self.capacity = capacity
         self._max_query_rows = self._triton._max_query_rows
         self.routing = routing or Routing()
         self._fi_module = None
-        if capacity is None and self.device.type == "cuda":
+        if self.device.type == "cuda":
             try:
                 import flashinfer
             except ModuleNotFoundError:
                 flashinfer = None
             self._fi_module = flashinfer
         self._workspace_bytes = workspace_bytes
-        self._fi_backend = None  # FlashInferBackend, made on first use
+        self._fi_backend = None  # FlashInferBackend, made on first use (no capacity)
+        self._fi_graphs = None  # OneLevelGraphs, made on first use (with a capacity)
         self.route = "triton"
+        self._graph_key = "triton"
+
+    @property
+    def graph_key(self) -> str | None:
+        return None if self.capacity is None else self._graph_key
 
     def _prepare(self, plan: CascadePlan) -> None:
         heads = dict(
             num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-            sm_scale=self.sm_scale, q_dtype=self.dtype,
+            sm_scale=self.sm_scale,
         )  # fmt: skip
-        route = "triton"
-        if (
+        group = self.num_qo_heads // self.num_kv_heads
+        flashinfer = (
             self._fi_module is not None
             and self.dtype in (torch.float16, torch.bfloat16)
-            and plan.num_query_tokens
-        ):
-            route = choose_route(plan, self.num_qo_heads // self.num_kv_heads, self.routing)
+            and plan.num_query_tokens > 0
+        )
+        if self.capacity is not None:
+            key = choose_graph_key(plan, group, self.routing) if flashinfer else "triton"
+            if key == "triton":
+                self._triton.plan(plan, **heads, q_dtype=self.dtype)
+            else:
+                if self._fi_graphs is None:
+                    from prefix_cache.attention.flashinfer_graphs import OneLevelGraphs
+
+                    workspace = torch.empty(self._workspace_bytes, dtype=torch.uint8, device=self.device)
+                    self._fi_graphs = OneLevelGraphs(self._fi_module, self.device, self.capacity, workspace)
+                kind = key.removeprefix("flashinfer-")
+                self._fi_graphs.plan(kind, plan.levels[0], plan.page_size, heads, self.dtype)
+            self._graph_key = key
+            self.route = "triton" if key == "triton" else "flashinfer"
+            return
+        route = choose_route(plan, group, self.routing) if flashinfer else "triton"
         if route == "flashinfer":
             if self._fi_backend is None:
                 from prefix_cache.attention.flashinfer_backend import FlashInferBackend
 
                 self._fi_backend = FlashInferBackend(self.device, self._workspace_bytes)
-            self._fi_backend.plan(plan, **heads)
+            self._fi_backend.plan(plan, **heads, q_dtype=self.dtype)
         else:
-            self._triton.plan(plan, **heads)
+            self._triton.plan(plan, **heads, q_dtype=self.dtype)
         self.route = route
 
     def _run(self, plan, q, kv_cache, k, v, out) -> None:
-        backend = self._fi_backend if self.route == "flashinfer" else self._triton
-        backend._run(plan, q, kv_cache, k, v, out)
+        if self.route == "triton":
+            self._triton._run(plan, q, kv_cache, k, v, out)
+        elif self.capacity is not None:
+            max_page = self._fi_graphs.max_page
+            if q.device != self.device:
+                raise ValueError(
+                    f"q and kv_cache must be on {self.device} (the plan's device), got {q.device}"
+                )
+            if max_page >= k.shape[0]:
+                raise ValueError(f"the plan references page {max_page}, the KV cache has {k.shape[0]} pages")
+            # FlashInfer takes the 5-D NHD tensor or a (k, v) pair of 4-D tensors, reading page strides.
+            paged = kv_cache if isinstance(kv_cache, torch.Tensor) else (k, v)
+            self._fi_graphs.run(self._graph_key.removeprefix("flashinfer-"), q, paged, out)
+        else:
+            self._fi_backend._run(plan, q, kv_cache, k, v, out)

@@ -92,6 +92,14 @@ class AttentionBackend(ABC):
         self._run(plan, q, kv_cache, k, v, out)
         return out
 
+    @property
+    def graph_key(self) -> str | None:
+        """For a backend whose ``run`` replays from CUDA graphs across plans (one with a
+        ``GraphCapacity``): the name of the fixed sequence of launches ``run`` makes for the current
+        plan. A graph captured after a plan replays after any later plan with the same key; an engine
+        keeps one graph per key. None for a backend without a capacity."""
+        return None
+
     @abstractmethod
     def _prepare(self, plan: CascadePlan) -> None:
         """The backend's host-side work for ``plan``; the head counts, ``sm_scale`` and ``dtype`` are set."""

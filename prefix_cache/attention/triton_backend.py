@@ -201,6 +201,10 @@ class TritonBackend(AttentionBackend):
     # ------------------------------------------------------------------------------------------
     # plan
 
+    @property
+    def graph_key(self) -> str | None:
+        return None if self.capacity is None else "triton"
+
     def _prepare(self, plan: CascadePlan) -> None:
         if not plan.levels:
             raise ValueError("a cascade plan needs at least one level")

@@ -1,0 +1,147 @@
+"""FlashInfer's paged kernels for one-level plans under a ``GraphCapacity`` (CUDA only).
+
+FlashInfer's paged prefill wrapper, made with ``use_cuda_graph=True`` over fixed index buffers,
+replays one captured ``run`` after any later ``plan`` that keeps its batch size (the number of
+requests) and does not exceed the total query rows of its first plan. So every plan is padded to
+the capacity's query tokens as requests (the padding requests have no queries and no KV: no work,
+no output rows written), and each wrapper's first plan is a sizing plan of the capacity's query
+rows. Two wrappers, each its own CUDA graph:
+
+- ``decode`` (every request one query token): FlashInfer's FA2 kernels, which pack a KV head's
+  query heads into one tile (what its decode wrapper runs with tensor cores);
+- ``prefill``: FlashInfer's default kernels for the device (FA3 on Hopper).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from prefix_cache.attention.triton_backend import GraphCapacity
+from prefix_cache.cascade import CascadeLevel
+from prefix_cache.kernels.work import check_level
+
+KINDS = ("decode", "prefill")
+
+
+class OneLevelGraphs:
+    """FlashInfer's CUDA-graph prefill wrappers for one-level causal plans of ``capacity``.
+
+    flashinfer: the imported module. workspace: FlashInfer's float workspace (shared with other
+    wrappers that never run concurrently with these).
+    """
+
+    def __init__(
+        self, flashinfer, device: torch.device, capacity: GraphCapacity, workspace: torch.Tensor
+    ) -> None:
+        self._flashinfer = flashinfer
+        self._device = device
+        self._capacity = capacity
+        self._workspace = workspace
+        self._wrappers: dict[str, object] = {}
+        self._qo_indptr: dict[str, torch.Tensor] = {}  # each wrapper's device qo_indptr (ours)
+        self._row_ids = torch.arange(capacity.max_query_tokens, dtype=torch.int32, device=device)
+        self._scratch: torch.Tensor | None = None  # the output of a run into a non-contiguous out
+        self._shape: tuple | None = None
+        self._rows = 0  # query rows of the current plan
+        self.max_page = -1  # the largest page id the current plan reads
+
+    def plan(self, kind: str, level: CascadeLevel, page_size: int, heads: dict, dtype: torch.dtype) -> None:
+        """Plan ``level`` (causal, its groups in the engine's order, every group with queries) on the
+        ``kind`` wrapper. heads: num_qo_heads, num_kv_heads, head_dim, sm_scale. Raises ValueError
+        when the level does not fit the capacity; the wrapper then keeps its previous plan."""
+        cap = self._capacity
+        arrays = check_level(
+            level.qo_indptr, level.kv_indptr, level.kv_indices, level.kv_last_page_len, page_size
+        )
+        rows, groups = arrays.num_query_tokens, arrays.q_len.shape[0]
+        pages = int(level.kv_indptr[-1])
+        # FlashInfer's fixed batch size is the capacity's query tokens: every request owns a row.
+        batch = cap.max_query_tokens
+        for what, need, have in (
+            ("query tokens", rows, batch),
+            ("requests", groups, batch),
+            ("pages", pages, cap.max_pages),
+        ):
+            if need > have:
+                raise ValueError(f"the plan has {need} {what}, over the backend's capacity of {have}")
+        shape = (*heads.values(), page_size, dtype)
+        if self._shape is not None and shape != self._shape:
+            raise ValueError(
+                f"a fixed-capacity backend keeps its heads, head_dim, page_size, sm_scale and dtype "
+                f"{self._shape}; got {shape}: make a new backend"
+            )
+        wrapper = self._wrappers.get(kind) or self._make(kind, page_size, heads, dtype)
+        qo = np.full(batch + 1, rows, dtype=np.int32)
+        qo[: groups + 1] = level.qo_indptr
+        kv = np.full(batch + 1, pages, dtype=np.int32)
+        kv[: groups + 1] = level.kv_indptr
+        last = np.zeros(batch, dtype=np.int32)
+        last[:groups] = level.kv_last_page_len
+        indices = level.kv_indices[:pages].astype(np.int32)
+        self._plan_wrapper(wrapper, qo, kv, indices, last, page_size, heads, dtype)
+        self._shape = shape
+        self._rows = rows
+        self.max_page = arrays.max_page
+
+    def run(self, kind: str, q: torch.Tensor, paged, out: torch.Tensor) -> None:
+        """Write the planned rows of ``out`` (engine order; rows past the plan's are left as they were).
+
+        The kernels take their row counts from the planned device buffers, so a replay after a plan
+        of other row counts reads and writes that plan's rows. FlashInfer's FA2 kernels write a
+        contiguous output only: another ``out`` is written through a buffer of the capacity's rows,
+        from which the planned rows (counted on the device, for the same reason) are selected."""
+        rows = self._rows
+        wrapper = self._wrappers[kind]
+        if out.is_contiguous():
+            wrapper.run(q[:rows], paged, out=out[:rows])
+            return
+        if self._scratch is None:  # heads, head_dim and dtype are fixed (``plan``)
+            rows_cap = self._capacity.max_query_tokens
+            self._scratch = torch.empty((rows_cap, *out.shape[1:]), dtype=out.dtype, device=out.device)
+        wrapper.run(q[:rows], paged, out=self._scratch[:rows])
+        n = out.shape[0]
+        planned = self._row_ids[:n] < self._qo_indptr[kind][-1]
+        torch.where(planned[:, None, None], self._scratch[:n], out, out=out)
+
+    def _make(self, kind: str, page_size: int, heads: dict, dtype: torch.dtype):
+        cap, device = self._capacity, self._device
+        batch = cap.max_query_tokens
+        qo_indptr = torch.zeros(batch + 1, dtype=torch.int32, device=device)
+        wrapper = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self._workspace,
+            "NHD",
+            use_cuda_graph=True,
+            qo_indptr_buf=qo_indptr,
+            paged_kv_indptr_buf=torch.zeros(batch + 1, dtype=torch.int32, device=device),
+            paged_kv_indices_buf=torch.zeros(cap.max_pages, dtype=torch.int32, device=device),
+            paged_kv_last_page_len_buf=torch.zeros(batch, dtype=torch.int32, device=device),
+            backend="fa2" if kind == "decode" else "auto",
+        )
+        # FlashInfer fixes the grid from the first plan's total query rows: size it for the capacity
+        # (request 0 holds every row; nothing runs this plan).
+        qo = np.full(batch + 1, batch, dtype=np.int32)
+        qo[0] = 0
+        zeros = np.zeros(batch + 1, dtype=np.int32)
+        self._plan_wrapper(wrapper, qo, zeros, zeros[:0], zeros[:batch], page_size, heads, dtype)
+        self._wrappers[kind], self._qo_indptr[kind] = wrapper, qo_indptr
+        return wrapper
+
+    @staticmethod
+    def _plan_wrapper(
+        wrapper, qo, kv, indices, last, page_size: int, heads: dict, dtype: torch.dtype
+    ) -> None:
+        wrapper.plan(
+            torch.from_numpy(qo),
+            torch.from_numpy(kv),
+            torch.from_numpy(indices),
+            torch.from_numpy(last),
+            heads["num_qo_heads"],
+            heads["num_kv_heads"],
+            heads["head_dim"],
+            page_size,
+            causal=True,
+            sm_scale=heads["sm_scale"],
+            q_data_type=dtype,
+            kv_data_type=dtype,
+        )
