@@ -3,9 +3,9 @@
 FlashInfer's paged prefill wrapper, made with ``use_cuda_graph=True`` over fixed index buffers,
 replays one captured ``run`` after any later ``plan`` that keeps its batch size (the number of
 requests) and does not exceed the total query rows of its first plan. So every plan is padded to
-the capacity's query tokens as requests (the padding requests have no queries and no KV: no work,
-no output rows written), and each wrapper's first plan is a sizing plan of the capacity's query
-rows. Two wrappers, each its own CUDA graph:
+the capacity's query tokens as requests (padding requests have no KV, and no queries except where
+FA3 needs every row, see ``_launch_rows``), and each wrapper's first plan is a sizing plan of the
+capacity's query rows. Two wrappers, each its own CUDA graph:
 
 - ``decode`` (every request one query token): FlashInfer's FA2 kernels, which pack a KV head's
   query heads into one tile (what its decode wrapper runs with tensor cores);
@@ -39,9 +39,9 @@ class OneLevelGraphs:
         self._capacity = capacity
         self._workspace = workspace
         self._wrappers: dict[str, object] = {}
-        self._qo_indptr: dict[str, torch.Tensor] = {}  # each wrapper's device qo_indptr (ours)
         self._row_ids = torch.arange(capacity.max_query_tokens, dtype=torch.int32, device=device)
-        self._scratch: torch.Tensor | None = None  # the output of a run into a non-contiguous out
+        self._planned_rows = torch.zeros((), dtype=torch.int32, device=device)
+        self._buffers: dict[str, torch.Tensor] = {}  # q and output of the capacity's rows (``run``)
         self._shape: tuple | None = None
         self._rows = 0  # query rows of the current plan
         self.max_page = -1  # the largest page id the current plan reads
@@ -72,7 +72,7 @@ class OneLevelGraphs:
                 f"{self._shape}; got {shape}: make a new backend"
             )
         wrapper = self._wrappers.get(kind) or self._make(kind, page_size, heads, dtype)
-        qo = np.full(batch + 1, rows, dtype=np.int32)
+        qo = np.full(batch + 1, self._launch_rows(kind, rows), dtype=np.int32)
         qo[: groups + 1] = level.qo_indptr
         kv = np.full(batch + 1, pages, dtype=np.int32)
         kv[: groups + 1] = level.kv_indptr
@@ -80,39 +80,56 @@ class OneLevelGraphs:
         last[:groups] = level.kv_last_page_len
         indices = level.kv_indices[:pages].astype(np.int32)
         self._plan_wrapper(wrapper, qo, kv, indices, last, page_size, heads, dtype)
+        self._planned_rows.fill_(rows)
         self._shape = shape
         self._rows = rows
         self.max_page = arrays.max_page
 
-    def run(self, kind: str, q: torch.Tensor, paged, out: torch.Tensor) -> None:
-        """Write the planned rows of ``out`` (engine order; rows past the plan's are left as they were).
+    def _launch_rows(self, kind: str, rows: int) -> int:
+        """The query rows FlashInfer is given: the plan's for FA2 (decode), whose kernels read the row
+        count from the planned device buffers, so a replay takes the current plan's; the capacity's
+        for FA3 (prefill), whose TMA layouts take q's row count at launch (a graph keeps the captured
+        one): there, a padding request owns the rows past the plan's, with no KV (FA3 writes zeros)."""
+        return rows if kind == "decode" else self._capacity.max_query_tokens
 
-        The kernels take their row counts from the planned device buffers, so a replay after a plan
-        of other row counts reads and writes that plan's rows. FlashInfer's FA2 kernels write a
-        contiguous output only: another ``out`` is written through a buffer of the capacity's rows,
-        from which the planned rows (counted on the device, for the same reason) are selected."""
-        rows = self._rows
+    def run(self, kind: str, q: torch.Tensor, paged, out: torch.Tensor) -> None:
+        """Write the planned rows of ``out`` (engine order). Rows past the plan's are left as they
+        were, except on the prefill wrapper into a contiguous ``out`` of the capacity's rows, where
+        they are zeroed. FA2 writes a contiguous output only, and FA3 needs q and its output with the
+        capacity's rows: any other ``q`` or ``out`` goes through buffers of the capacity's rows, the
+        planned rows selected by a count on the device (a replay selects the current plan's)."""
         wrapper = self._wrappers[kind]
-        if out.is_contiguous():
-            wrapper.run(q[:rows], paged, out=out[:rows])
+        launch = self._launch_rows(kind, self._rows)
+        if q.shape[0] < launch:
+            q_in = self._buffer("q", q)
+            q_in[: q.shape[0]].copy_(q)
+        else:
+            q_in = q[:launch]
+        if out.is_contiguous() and out.shape[0] >= launch:
+            wrapper.run(q_in, paged, out=out[:launch])
             return
-        if self._scratch is None:  # heads, head_dim and dtype are fixed (``plan``)
-            rows_cap = self._capacity.max_query_tokens
-            self._scratch = torch.empty((rows_cap, *out.shape[1:]), dtype=out.dtype, device=out.device)
-        wrapper.run(q[:rows], paged, out=self._scratch[:rows])
+        result = self._buffer("out", out)
+        wrapper.run(q_in, paged, out=result[:launch])
         n = out.shape[0]
-        planned = self._row_ids[:n] < self._qo_indptr[kind][-1]
-        torch.where(planned[:, None, None], self._scratch[:n], out, out=out)
+        planned = self._row_ids[:n] < self._planned_rows
+        torch.where(planned[:, None, None], result[:n], out, out=out)
+
+    def _buffer(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """A contiguous buffer of the capacity's rows shaped like ``like``'s rows, made once (heads,
+        head_dim and dtype are fixed by ``plan``)."""
+        if name not in self._buffers:
+            shape = (self._capacity.max_query_tokens, *like.shape[1:])
+            self._buffers[name] = torch.zeros(shape, dtype=like.dtype, device=like.device)
+        return self._buffers[name]
 
     def _make(self, kind: str, page_size: int, heads: dict, dtype: torch.dtype):
         cap, device = self._capacity, self._device
         batch = cap.max_query_tokens
-        qo_indptr = torch.zeros(batch + 1, dtype=torch.int32, device=device)
         wrapper = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             self._workspace,
             "NHD",
             use_cuda_graph=True,
-            qo_indptr_buf=qo_indptr,
+            qo_indptr_buf=torch.zeros(batch + 1, dtype=torch.int32, device=device),
             paged_kv_indptr_buf=torch.zeros(batch + 1, dtype=torch.int32, device=device),
             paged_kv_indices_buf=torch.zeros(cap.max_pages, dtype=torch.int32, device=device),
             paged_kv_last_page_len_buf=torch.zeros(batch, dtype=torch.int32, device=device),
@@ -124,7 +141,7 @@ class OneLevelGraphs:
         qo[0] = 0
         zeros = np.zeros(batch + 1, dtype=np.int32)
         self._plan_wrapper(wrapper, qo, zeros, zeros[:0], zeros[:batch], page_size, heads, dtype)
-        self._wrappers[kind], self._qo_indptr[kind] = wrapper, qo_indptr
+        self._wrappers[kind] = wrapper
         return wrapper
 
     @staticmethod
