@@ -79,7 +79,7 @@ class OneLevelGraphs:
         last = np.zeros(batch, dtype=np.int32)
         last[:groups] = level.kv_last_page_len
         indices = level.kv_indices[:pages].astype(np.int32)
-        self._plan_wrapper(wrapper, qo, kv, indices, last, page_size, heads, dtype)
+        self._plan_wrapper(wrapper, qo, kv, indices, last, page_size, heads, dtype, kind != "decode")
         self._planned_rows.fill_(rows)
         self._shape = shape
         self._rows = rows
@@ -140,14 +140,17 @@ class OneLevelGraphs:
         qo = np.full(batch + 1, batch, dtype=np.int32)
         qo[0] = 0
         zeros = np.zeros(batch + 1, dtype=np.int32)
-        self._plan_wrapper(wrapper, qo, zeros, zeros[:0], zeros[:batch], page_size, heads, dtype)
+        causal = kind != "decode"
+        self._plan_wrapper(wrapper, qo, zeros, zeros[:0], zeros[:batch], page_size, heads, dtype, causal)
         self._wrappers[kind] = wrapper
         return wrapper
 
     @staticmethod
     def _plan_wrapper(
-        wrapper, qo, kv, indices, last, page_size: int, heads: dict, dtype: torch.dtype
+        wrapper, qo, kv, indices, last, page_size: int, heads: dict, dtype: torch.dtype, causal: bool
     ) -> None:
+        # Decode (one query per request) sees all of its KV: planned without the causal mask's
+        # work, as FlashInfer's decode wrapper does.
         wrapper.plan(
             torch.from_numpy(qo),
             torch.from_numpy(kv),
@@ -157,7 +160,7 @@ class OneLevelGraphs:
             heads["num_kv_heads"],
             heads["head_dim"],
             page_size,
-            causal=True,
+            causal=causal,
             sm_scale=heads["sm_scale"],
             q_data_type=dtype,
             kv_data_type=dtype,
