@@ -1,3 +1,4 @@
+import dataclasses
 import sys
 from dataclasses import dataclass
 
@@ -408,6 +409,20 @@ def test_graph_keys() -> None:
         shared, [520] * 4, [16, 1, 1, 1], 16
     )
     assert len(cascade.levels) == 2 and choose_graph_key(cascade, 4, routing) == "triton"
+    # One-level plans that FlashInfer's graph launches would run wrongly are left to Triton: a request
+    # without KV, a non-causal level, a level that does not cover the plan's query tokens.
+    (level,) = decode.levels
+    no_kv = dataclasses.replace(
+        level,
+        kv_indptr=np.array([0, 0, 20, 40], dtype=np.int32),
+        kv_indices=level.kv_indices[20:],
+        kv_last_page_len=np.array([0, 16, 4], dtype=np.int32),
+    )
+    for broken in (no_kv, dataclasses.replace(level, causal=False)):
+        assert choose_graph_key(dataclasses.replace(decode, levels=(broken,)), 4, routing) == "triton"
+    (chunks,) = prefill.levels
+    more_rows = dataclasses.replace(chunks, qo_indptr=np.array([0, 16, 17, 19], dtype=np.int32))
+    assert choose_graph_key(dataclasses.replace(prefill, levels=(more_rows,)), 4, routing) == "triton"
 
     device = SWEEPS["triton"].device
     heads = dict(num_qo_heads=4, num_kv_heads=1, head_dim=16, q_dtype=torch.float32)

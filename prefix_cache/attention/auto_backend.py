@@ -63,15 +63,24 @@ def choose_route(plan: CascadePlan, group_size: int, routing: Routing) -> str:
 
 def choose_graph_key(plan: CascadePlan, group_size: int, routing: Routing) -> str:
     """The launches of ``plan`` under a ``GraphCapacity``: ``"flashinfer-decode"`` or
-    ``"flashinfer-prefill"`` for a one-level plan in the engine's order that ``choose_route`` sends to
-    FlashInfer (every request one query token, or not), ``"triton"`` otherwise."""
+    ``"flashinfer-prefill"`` for a causal one-level plan in the engine's order, every request with
+    queries and KV, that ``choose_route`` sends to FlashInfer (every request one query token, or not);
+    ``"triton"`` otherwise (the Triton backend also raises for a malformed plan)."""
     if len(plan.levels) != 1 or choose_route(plan, group_size, routing) != "flashinfer":
         return "triton"
-    if not in_engine_order(plan.query_order):
+    level = plan.levels[0]
+    q_len = np.diff(level.qo_indptr.astype(np.int64))
+    pages = np.diff(level.kv_indptr.astype(np.int64))
+    if (
+        not level.causal
+        or not in_engine_order(plan.query_order)
+        or int(level.qo_indptr[-1]) != plan.num_query_tokens
+        # FlashInfer's fixed batch gives every request a query row; a request without KV is left to
+        # the Triton kernels, as the eager FlashInfer backend leaves it out of its levels.
+        or (q_len < 1).any()
+        or (pages < 1).any()
+    ):
         return "triton"
-    q_len = np.diff(plan.levels[0].qo_indptr.astype(np.int64))
-    if (q_len < 1).any():
-        return "triton"  # FlashInfer's fixed batch needs every request to own a query row
     return "flashinfer-decode" if bool((q_len == 1).all()) else "flashinfer-prefill"
 
 

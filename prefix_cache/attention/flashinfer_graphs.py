@@ -21,8 +21,6 @@ from prefix_cache.attention.triton_backend import GraphCapacity
 from prefix_cache.cascade import CascadeLevel
 from prefix_cache.kernels.work import check_level
 
-KINDS = ("decode", "prefill")
-
 
 class OneLevelGraphs:
     """FlashInfer's CUDA-graph prefill wrappers for one-level causal plans of ``capacity``.
@@ -68,8 +66,8 @@ class OneLevelGraphs:
         shape = (*heads.values(), page_size, dtype)
         if self._shape is not None and shape != self._shape:
             raise ValueError(
-                f"a fixed-capacity backend keeps its heads, head_dim, page_size, sm_scale and dtype "
-                f"{self._shape}; got {shape}: make a new backend"
+                f"a fixed-capacity backend's FlashInfer launches keep their heads, head_dim, sm_scale, "
+                f"page_size and dtype {self._shape}; got {shape}: make a new backend"
             )
         wrapper = self._wrappers.get(kind) or self._make(kind, page_size, heads, dtype)
         qo = np.full(batch + 1, self._launch_rows(kind, rows), dtype=np.int32)
@@ -126,7 +124,7 @@ class OneLevelGraphs:
         cap, device = self._capacity, self._device
         batch = cap.max_query_tokens
         wrapper = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self._workspace,
+            self._workspace if kind == "prefill" else self._split_workspace(heads),
             "NHD",
             use_cuda_graph=True,
             qo_indptr_buf=torch.zeros(batch + 1, dtype=torch.int32, device=device),
@@ -144,6 +142,22 @@ class OneLevelGraphs:
         self._plan_wrapper(wrapper, qo, zeros, zeros[:0], zeros[:batch], page_size, heads, dtype, causal)
         self._wrappers[kind] = wrapper
         return wrapper
+
+    def _split_workspace(self, heads: dict) -> torch.Tensor:
+        """The float workspace of the FA2 (decode) wrapper. In CUDA-graph mode FlashInfer always splits
+        the KV and sizes its partial outputs for the capacity, not the plan: float32 rows of
+        ``num_qo_heads * (head_dim + 1)`` for 16-row tiles of a grid of up to
+        ``ceil(T * group / 16) + T`` programs (T the capacity's query tokens), or the device's resident
+        programs per KV head where that is more (bounded here by 32 per SM). The shared workspace
+        serves when it is large enough; otherwise this wrapper gets its own, 1.25x that size."""
+        tokens = self._capacity.max_query_tokens
+        group = heads["num_qo_heads"] // heads["num_kv_heads"]
+        sms = torch.cuda.get_device_properties(self._device).multi_processor_count
+        grid = max(-(-tokens * group // 16) + tokens, 32 * sms // heads["num_kv_heads"])
+        need = heads["num_qo_heads"] * grid * 16 * (heads["head_dim"] + 1) * 4
+        if need <= self._workspace.numel():
+            return self._workspace
+        return torch.empty(need * 5 // 4, dtype=torch.uint8, device=self._device)
 
     @staticmethod
     def _plan_wrapper(
