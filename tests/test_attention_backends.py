@@ -516,7 +516,7 @@ def test_auto_backend_graphs_replay_across_plans_of_each_key(layout: str) -> Non
     long = planner.plan([np.arange(641)], [641 * page_size], [16], page_size)
     with pytest.raises(ValueError, match="641 pages, over the backend's capacity of 640"):
         backend.plan(long, **heads)
-    with pytest.raises(ValueError, match="keeps its heads"):
+    with pytest.raises(ValueError, match="launches keep their heads"):
         backend.plan(planner.plan(*batch("decode"), page_size), **{**heads, "num_qo_heads": 16})
     step("decode")
     # Eager, q and out of the plan's rows only (under the capacity's): through the capacity's buffers.
