@@ -15,9 +15,10 @@ FlashInfer is used only where it is importable, the device is CUDA and ``plan`` 
 With a ``GraphCapacity`` (``run`` captured in CUDA graphs and replayed across plans), a causal plan
 of one level whose requests all have KV, that the rule sends to FlashInfer, runs on FlashInfer's
 CUDA-graph prefill wrappers (``prefix_cache.attention.flashinfer_graphs``: FA2 for decode, FA3 on
-Hopper for prefill), and every other plan on the fixed-capacity Triton backend. Those are three fixed sequences of launches,
-one graph each: ``graph_key`` names the current plan's, and a graph captured under one key replays
-after any later plan with the same key. An engine keeps a graph per (batch bucket, key).
+Hopper for prefill), and every other plan on the fixed-capacity Triton backend. Those are three
+fixed sequences of launches, one graph each: ``graph_key`` names the current plan's, and a graph
+captured under one key replays after any later plan with the same key. An engine keeps a graph per
+(batch bucket, key).
 """
 
 from __future__ import annotations
