@@ -527,3 +527,89 @@ def test_auto_backend_graphs_replay_across_plans_of_each_key(layout: str) -> Non
         expected = reference_attention(exact, kv_cache, tables, kv_lens, qo_lens, d**-0.5)
         got = backend.run(exact, kv_cache).double()
         torch.testing.assert_close(got, expected, atol=1.6e-2 * float(expected.abs().max()), rtol=0, msg=kind)
+
+
+def _one_level_batch(rng: np.random.Generator, kind: str, page_size: int, num_pages: int):
+    """Requests over distinct random pages (nothing shared: a one-level plan), one query each
+    (decode) or 2-8 (prefill): (block_tables, kv_lens, qo_lens)."""
+    n = int(rng.integers(1, 11)) if kind == "decode" else int(rng.integers(1, 4))
+    qo_lens = [1] * n if kind == "decode" else [int(rng.integers(2, 9)) for _ in range(n)]
+    kv_lens = [int(rng.integers(qo, 40)) for qo in qo_lens]
+    free = list(rng.permutation(num_pages))
+    tables = [np.array([free.pop() for _ in range(-(-kv // page_size))]) for kv in kv_lens]
+    return tables, kv_lens, qo_lens
+
+
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+@pytest.mark.parametrize("layout", ["capacity rows", "strided", "plan rows"])
+def test_flashinfer_graph_launches_pad_every_plan(kind: str, layout: str) -> None:
+    """FlashInfer's CUDA-graph launches on a stand-in that keeps its wrapper's contract
+    (``flashinfer_stand_in``): plans of other sizes padded to the one fixed batch after a sizing plan,
+    q and out of the capacity's rows, strided, or of the plan's rows; each output against the float64
+    reference, the padding rows as documented; plans over the capacity or with other heads raise and
+    the next plan is served."""
+    import flashinfer_stand_in
+
+    from prefix_cache.attention.flashinfer_graphs import OneLevelGraphs
+    from prefix_cache.attention.triton_backend import GraphCapacity
+
+    page_size, hq, hkv, d, num_pages = 4, 4, 2, 16, 200
+    capacity = GraphCapacity(max_query_tokens=24, max_pages=120)
+    graphs = OneLevelGraphs(
+        flashinfer_stand_in, torch.device("cpu"), capacity, torch.empty(1 << 20, dtype=torch.uint8)
+    )
+    heads = dict(num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, sm_scale=0.25)
+    rng = np.random.default_rng(["decode", "prefill"].index(kind))
+    generator = torch.Generator().manual_seed(3)
+    kv_cache = torch.randn(num_pages, 2, page_size, hkv, d, generator=generator)
+    rows = set()
+    for step in range(7):
+        tables, kv_lens, qo_lens = _one_level_batch(rng, kind, page_size, num_pages)
+        plan = CascadePlanner().plan(tables, kv_lens, qo_lens, page_size)
+        assert len(plan.levels) == 1
+        graphs.plan(kind, plan.levels[0], page_size, heads, torch.float32)
+        nq = plan.num_query_tokens
+        rows.add(nq)
+        q = torch.randn(
+            nq if layout == "plan rows" else capacity.max_query_tokens, hq, d, generator=generator
+        )
+        if layout == "strided":
+            out = torch.full((q.shape[0], hq, 2 * d), float("nan"))[..., :d]
+        else:
+            out = torch.full_like(q, float("nan"))
+        graphs.run(kind, q, kv_cache, out)
+        expected = reference_attention(q[:nq], kv_cache, tables, kv_lens, qo_lens, 0.25)
+        torch.testing.assert_close(out[:nq].double(), expected, atol=1e-5, rtol=1e-5)
+        zeroed = kind == "prefill" and layout == "capacity rows"  # FA3's padding request
+        padding = torch.full_like(out[nq:], 0.0 if zeroed else float("nan"))
+        torch.testing.assert_close(out[nq:], padding, equal_nan=True, msg=f"step {step}")
+        if step == 3:
+            over = CascadePlanner().plan([np.arange(121)], [121 * page_size], [1], page_size)
+            with pytest.raises(ValueError, match="121 pages, over the backend's capacity of 120"):
+                graphs.plan(kind, over.levels[0], page_size, heads, torch.float32)
+            with pytest.raises(ValueError, match="launches keep their heads"):
+                graphs.plan(kind, plan.levels[0], page_size, {**heads, "num_qo_heads": 2}, torch.float32)
+    assert len(rows) >= 3, rows
+
+
+def test_auto_backend_graph_launches_check_the_pool() -> None:
+    """The auto backend under a capacity, its FlashInfer launches on the stand-in: a one-level decode
+    takes the decode key and is right; a pool without the pages the plan reads is refused."""
+    import flashinfer_stand_in
+
+    from prefix_cache.attention.auto_backend import AutoBackend
+    from prefix_cache.attention.triton_backend import GraphCapacity
+
+    backend = AutoBackend("cpu", capacity=GraphCapacity(max_query_tokens=8, max_pages=64))
+    backend._fi_module = flashinfer_stand_in  # FlashInfer is only looked for on CUDA
+    tables, kv_lens, qo_lens = [np.array([5, 40]), np.array([41])], [7, 3], [1, 1]
+    backend.plan(CascadePlanner().plan(tables, kv_lens, qo_lens, 4), num_qo_heads=4, num_kv_heads=2,
+                 head_dim=16, q_dtype=torch.bfloat16)  # fmt: skip
+    assert backend.graph_key == "flashinfer-decode"
+    generator = torch.Generator().manual_seed(4)
+    kv_cache = torch.randn(42, 2, 4, 2, 16, generator=generator).bfloat16()
+    q = torch.randn(2, 4, 16, generator=generator).bfloat16()
+    expected = reference_attention(q, kv_cache, tables, kv_lens, qo_lens, 0.25)
+    torch.testing.assert_close(backend.run(q, kv_cache).double(), expected, atol=1e-2, rtol=1e-2)
+    with pytest.raises(ValueError, match="references page 41, the KV cache has 41 pages"):
+        backend.run(q, kv_cache[:41])

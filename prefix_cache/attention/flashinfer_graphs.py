@@ -19,6 +19,7 @@ import torch
 
 from prefix_cache.attention.triton_backend import GraphCapacity
 from prefix_cache.cascade import CascadeLevel
+from prefix_cache.kernels._common import num_sms
 from prefix_cache.kernels.work import check_level
 
 
@@ -152,8 +153,7 @@ class OneLevelGraphs:
         serves when it is large enough; otherwise this wrapper gets its own, 1.25x that size."""
         tokens = self._capacity.max_query_tokens
         group = heads["num_qo_heads"] // heads["num_kv_heads"]
-        sms = torch.cuda.get_device_properties(self._device).multi_processor_count
-        grid = max(-(-tokens * group // 16) + tokens, 32 * sms // heads["num_kv_heads"])
+        grid = max(-(-tokens * group // 16) + tokens, 32 * num_sms(self._device) // heads["num_kv_heads"])
         need = heads["num_qo_heads"] * grid * 16 * (heads["head_dim"] + 1) * 4
         if need <= self._workspace.numel():
             return self._workspace

@@ -1,0 +1,80 @@
+"""A stand-in for FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper`` in CUDA-graph mode, for CPU tests
+of the code that pads plans for it (``prefix_cache.attention.flashinfer_graphs``).
+
+It keeps the contract of FlashInfer 0.6.8's wrapper that the padding relies on, from its
+documentation and source: a fixed batch size (``len(qo_indptr_buf) - 1``) that every plan must have,
+a first plan that fixes the most query rows later plans may have, ``run`` taking q with exactly the
+plan's rows, a request's KV length ``max(pages - 1, 0) * page_size + last_page_len``, causal masks
+aligned bottom-right, and zeros for the rows of a request without KV. Attention is computed in
+float64 from the wrapper's own index buffers, request by request.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class BatchPrefillWithPagedKVCacheWrapper:
+    def __init__(self, workspace, kv_layout, *, use_cuda_graph, qo_indptr_buf, paged_kv_indptr_buf,
+                 paged_kv_indices_buf, paged_kv_last_page_len_buf, backend):  # fmt: skip
+        assert kv_layout == "NHD" and use_cuda_graph and backend in ("fa2", "auto")
+        self.batch = qo_indptr_buf.shape[0] - 1
+        assert (
+            paged_kv_indptr_buf.shape[0] == self.batch + 1
+            and paged_kv_last_page_len_buf.shape[0] == self.batch
+        )
+        self.qo, self.kv, self.indices, self.last = (
+            qo_indptr_buf, paged_kv_indptr_buf, paged_kv_indices_buf, paged_kv_last_page_len_buf
+        )  # fmt: skip
+        self.max_rows = None
+        self.plans = 0
+
+    def plan(self, qo_indptr, kv_indptr, kv_indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
+             page_size, *, causal, sm_scale, q_data_type, kv_data_type):  # fmt: skip
+        rows = int(qo_indptr[-1])
+        if qo_indptr.shape[0] - 1 != self.batch:
+            raise ValueError(f"batch size {qo_indptr.shape[0] - 1} != fixed {self.batch}")
+        if self.max_rows is None:
+            self.max_rows = rows
+        elif rows > self.max_rows:
+            raise ValueError(f"{rows} rows over the first plan's {self.max_rows}")
+        if kv_indices.shape[0] > self.indices.shape[0]:
+            raise ValueError("paged_kv_indices over the buffer")
+        assert bool((qo_indptr.diff() >= 0).all()) and bool((kv_indptr.diff() >= 0).all())
+        assert int(kv_indptr[-1]) <= kv_indices.shape[0]
+        self.qo.copy_(qo_indptr)
+        self.kv.copy_(kv_indptr)
+        self.indices[: kv_indices.shape[0]].copy_(kv_indices)
+        self.last.copy_(last_page_len)
+        self.rows, self.page_size, self.causal, self.sm_scale = rows, page_size, causal, sm_scale
+        self.heads = (num_qo_heads, num_kv_heads, head_dim)
+        self.plans += 1
+
+    def run(self, q, paged, out=None):
+        if q.shape[0] != self.rows:
+            raise ValueError(f"q.shape[0] ({q.shape[0]}) does not match qo_indptr[-1] ({self.rows})")
+        k_cache, v_cache = (paged[:, 0], paged[:, 1]) if isinstance(paged, torch.Tensor) else paged
+        if out is None:
+            out = torch.empty_like(q)
+        assert out.shape == q.shape and out.is_contiguous()
+        group = self.heads[0] // self.heads[1]
+        for r in range(self.batch):
+            q0, q1 = int(self.qo[r]), int(self.qo[r + 1])
+            p0, p1 = int(self.kv[r]), int(self.kv[r + 1])
+            kv_len = max(p1 - p0 - 1, 0) * self.page_size + int(self.last[r])
+            if q1 == q0:
+                continue
+            if kv_len == 0:
+                out[q0:q1] = 0
+                continue
+            pages = self.indices[p0:p1].long()
+            k = k_cache[pages].flatten(0, 1)[:kv_len].double().repeat_interleave(group, dim=1)
+            v = v_cache[pages].flatten(0, 1)[:kv_len].double().repeat_interleave(group, dim=1)
+            scores = torch.einsum("qhd,khd->hqk", q[q0:q1].double(), k) * self.sm_scale
+            if self.causal:
+                visible = (
+                    torch.arange(kv_len)[None, :] <= (kv_len - (q1 - q0) + torch.arange(q1 - q0))[:, None]
+                )
+                scores = scores.masked_fill(~visible, float("-inf"))
+            out[q0:q1] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v).to(out.dtype)
+        return out
