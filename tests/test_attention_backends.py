@@ -555,9 +555,7 @@ def test_flashinfer_graph_launches_pad_every_plan(kind: str, layout: str) -> Non
 
     page_size, hq, hkv, d, num_pages = 4, 4, 2, 16, 200
     capacity = GraphCapacity(max_query_tokens=24, max_pages=120)
-    graphs = OneLevelGraphs(
-        flashinfer_stand_in, torch.device("cpu"), capacity, torch.empty(1 << 20, dtype=torch.uint8)
-    )
+    graphs = OneLevelGraphs(flashinfer_stand_in, torch.device("cpu"), capacity, 1 << 20)
     heads = dict(num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, sm_scale=0.25)
     rng = np.random.default_rng(["decode", "prefill"].index(kind))
     generator = torch.Generator().manual_seed(3)

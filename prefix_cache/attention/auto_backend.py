@@ -144,8 +144,9 @@ class AutoBackend(AttentionBackend):
                 if self._fi_graphs is None:
                     from prefix_cache.attention.flashinfer_graphs import OneLevelGraphs
 
-                    workspace = torch.empty(self._workspace_bytes, dtype=torch.uint8, device=self.device)
-                    self._fi_graphs = OneLevelGraphs(self._fi_module, self.device, self.capacity, workspace)
+                    self._fi_graphs = OneLevelGraphs(
+                        self._fi_module, self.device, self.capacity, self._workspace_bytes
+                    )
                 kind = key.removeprefix("flashinfer-")
                 self._fi_graphs.plan(kind, plan.levels[0], plan.page_size, heads, self.dtype)
             self._graph_key = key

@@ -26,17 +26,18 @@ from prefix_cache.kernels.work import check_level
 class OneLevelGraphs:
     """FlashInfer's CUDA-graph prefill wrappers for one-level causal plans of ``capacity``.
 
-    flashinfer: the imported module. workspace: FlashInfer's float workspace (shared with other
-    wrappers that never run concurrently with these).
+    flashinfer: the imported module. workspace_bytes: the float workspace of the prefill wrapper
+    (FA3 keeps no split results); the decode wrapper's is sized from the capacity
+    (``_split_workspace_bytes``). Each is allocated when its wrapper is first planned.
     """
 
     def __init__(
-        self, flashinfer, device: torch.device, capacity: GraphCapacity, workspace: torch.Tensor
+        self, flashinfer, device: torch.device, capacity: GraphCapacity, workspace_bytes: int
     ) -> None:
         self._flashinfer = flashinfer
         self._device = device
         self._capacity = capacity
-        self._workspace = workspace
+        self._workspace_bytes = workspace_bytes
         self._wrappers: dict[str, object] = {}
         self._row_ids = torch.arange(capacity.max_query_tokens, dtype=torch.int32, device=device)
         self._planned_rows = torch.zeros((), dtype=torch.int32, device=device)
@@ -125,7 +126,11 @@ class OneLevelGraphs:
         cap, device = self._capacity, self._device
         batch = cap.max_query_tokens
         wrapper = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self._workspace if kind == "prefill" else self._split_workspace(heads),
+            torch.empty(
+                self._workspace_bytes if kind == "prefill" else self._split_workspace_bytes(heads),
+                dtype=torch.uint8,
+                device=device,
+            ),
             "NHD",
             use_cuda_graph=True,
             qo_indptr_buf=torch.zeros(batch + 1, dtype=torch.int32, device=device),
@@ -144,20 +149,16 @@ class OneLevelGraphs:
         self._wrappers[kind] = wrapper
         return wrapper
 
-    def _split_workspace(self, heads: dict) -> torch.Tensor:
+    def _split_workspace_bytes(self, heads: dict) -> int:
         """The float workspace of the FA2 (decode) wrapper. In CUDA-graph mode FlashInfer always splits
         the KV and sizes its partial outputs for the capacity, not the plan: float32 rows of
         ``num_qo_heads * (head_dim + 1)`` for 16-row tiles of a grid of up to
         ``ceil(T * group / 16) + T`` programs (T the capacity's query tokens), or the device's resident
-        programs per KV head where that is more (bounded here by 32 per SM). The shared workspace
-        serves when it is large enough; otherwise this wrapper gets its own, 1.25x that size."""
+        programs per KV head where that is more (bounded here by 32 per SM); 1.25x that."""
         tokens = self._capacity.max_query_tokens
         group = heads["num_qo_heads"] // heads["num_kv_heads"]
         grid = max(-(-tokens * group // 16) + tokens, 32 * num_sms(self._device) // heads["num_kv_heads"])
-        need = heads["num_qo_heads"] * grid * 16 * (heads["head_dim"] + 1) * 4
-        if need <= self._workspace.numel():
-            return self._workspace
-        return torch.empty(need * 5 // 4, dtype=torch.uint8, device=self._device)
+        return heads["num_qo_heads"] * grid * 16 * (heads["head_dim"] + 1) * 4 * 5 // 4
 
     @staticmethod
     def _plan_wrapper(
