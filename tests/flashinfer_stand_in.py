@@ -4,8 +4,10 @@ of the code that pads plans for it (``prefix_cache.attention.flashinfer_graphs``
 It keeps the contract of FlashInfer 0.6.8's wrapper that the padding relies on, from its
 documentation and source: a fixed batch size (``len(qo_indptr_buf) - 1``) that every plan must have,
 a first plan that fixes the most query rows later plans may have, ``run`` taking q with exactly the
-plan's rows, a request's KV length ``max(pages - 1, 0) * page_size + last_page_len``, causal masks
-aligned bottom-right, and zeros for the rows of a request without KV. Attention is computed in
+plan's rows, a request's KV length ``max(pages - 1, 0) * page_size + last_page_len`` (its last page
+length 1..page_size, 0 without pages), causal masks aligned bottom-right, zeros for the rows of a
+request without KV, and FA2's split results in the float workspace, sized for the fixed shape
+(``PrefillPlan`` in FlashInfer's scheduler: 2 programs per SM). Attention is computed in
 float64 from the wrapper's own index buffers, request by request.
 """
 
@@ -13,11 +15,15 @@ from __future__ import annotations
 
 import torch
 
+#: The SM count ``prefix_cache.kernels._common.num_sms`` gives CPU tensors (an H200's).
+NUM_SMS = 132
+
 
 class BatchPrefillWithPagedKVCacheWrapper:
     def __init__(self, workspace, kv_layout, *, use_cuda_graph, qo_indptr_buf, paged_kv_indptr_buf,
                  paged_kv_indices_buf, paged_kv_last_page_len_buf, backend):  # fmt: skip
         assert kv_layout == "NHD" and use_cuda_graph and backend in ("fa2", "auto")
+        self.workspace, self.backend = workspace, backend
         self.batch = qo_indptr_buf.shape[0] - 1
         assert (
             paged_kv_indptr_buf.shape[0] == self.batch + 1
@@ -42,6 +48,17 @@ class BatchPrefillWithPagedKVCacheWrapper:
             raise ValueError("paged_kv_indices over the buffer")
         assert bool((qo_indptr.diff() >= 0).all()) and bool((kv_indptr.diff() >= 0).all())
         assert int(kv_indptr[-1]) <= kv_indices.shape[0]
+        pages = kv_indptr.diff()
+        last = last_page_len
+        if not bool(torch.where(pages > 0, (last >= 1) & (last <= page_size), last == 0).all()):
+            raise ValueError("kv_last_page_len must be 1..page_size with pages, 0 without")
+        if self.backend == "fa2":  # its split results, sized in CUDA-graph mode for the fixed shape
+            group = num_qo_heads // num_kv_heads
+            tile = 16 if group <= 16 else 64 if group <= 64 else 128
+            grid = max(-(-self.max_rows * group // tile) + self.batch - 1, 2 * NUM_SMS // num_kv_heads)
+            self.need = need = num_qo_heads * grid * tile * (head_dim + 1) * 4
+            if need > self.workspace.numel():
+                raise RuntimeError(f"workspace of {self.workspace.numel()} bytes, {need} needed")
         self.qo.copy_(qo_indptr)
         self.kv.copy_(kv_indptr)
         self.indices[: kv_indices.shape[0]].copy_(kv_indices)

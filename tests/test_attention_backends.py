@@ -427,11 +427,17 @@ def test_graph_keys() -> None:
     device = SWEEPS["triton"].device
     heads = dict(num_qo_heads=4, num_kv_heads=1, head_dim=16, q_dtype=torch.float32)
     capacity = GraphCapacity(max_query_tokens=8, max_pages=100)
+    import flashinfer_stand_in
+
     for name in ("triton", "auto"):
         assert create_backend(name, device=device).graph_key is None
         backend = create_backend(name, device=device, capacity=capacity)
+        if name == "auto":
+            backend._fi_module = flashinfer_stand_in  # FlashInfer is only looked for on CUDA
         backend.plan(decode, **heads)  # float32: never FlashInfer
         assert backend.graph_key == "triton"
+        backend.plan(decode, **{**heads, "q_dtype": torch.bfloat16})
+        assert backend.graph_key == {"triton": "triton", "auto": "flashinfer-decode"}[name]
 
 
 @pytest.mark.gpu
@@ -587,6 +593,10 @@ def test_flashinfer_graph_launches_pad_every_plan(kind: str, layout: str) -> Non
                 graphs.plan(kind, over.levels[0], page_size, heads, torch.float32)
             with pytest.raises(ValueError, match="launches keep their heads"):
                 graphs.plan(kind, plan.levels[0], page_size, {**heads, "num_qo_heads": 2}, torch.float32)
+            # Refused plans leave the wrappers with the plan before them.
+            out.fill_(float("nan"))
+            graphs.run(kind, q, kv_cache, out)
+            torch.testing.assert_close(out[:nq].double(), expected, atol=1e-5, rtol=1e-5)
     assert len(rows) >= 3, rows
 
 
@@ -611,3 +621,25 @@ def test_auto_backend_graph_launches_check_the_pool() -> None:
     torch.testing.assert_close(backend.run(q, kv_cache).double(), expected, atol=1e-2, rtol=1e-2)
     with pytest.raises(ValueError, match="references page 41, the KV cache has 41 pages"):
         backend.run(q, kv_cache[:41])
+
+
+@pytest.mark.parametrize(
+    ("num_qo_heads", "num_kv_heads", "tokens"), [(32, 8, 8), (32, 8, 1024), (32, 1, 1024), (64, 4, 300)]
+)
+def test_flashinfer_decode_workspace_fits_the_capacity(
+    num_qo_heads: int, num_kv_heads: int, tokens: int
+) -> None:
+    """The decode launches' workspace holds what FlashInfer's scheduler asks of it for the capacity
+    (the stand-in raises otherwise), at most 2.5x that: small and large buckets, groups of 4, 16 and 32."""
+    import flashinfer_stand_in
+
+    from prefix_cache.attention.flashinfer_graphs import OneLevelGraphs
+    from prefix_cache.attention.triton_backend import GraphCapacity
+
+    capacity = GraphCapacity(max_query_tokens=tokens, max_pages=64)
+    graphs = OneLevelGraphs(flashinfer_stand_in, torch.device("cpu"), capacity, 1 << 20)
+    plan = CascadePlanner().plan([np.array([i]) for i in range(3)], [5, 9, 16], [1, 1, 1], 16)
+    heads = dict(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=128, sm_scale=0.1)
+    graphs.plan("decode", plan.levels[0], 16, heads, torch.bfloat16)
+    wrapper = graphs._wrappers["decode"]
+    assert wrapper.need <= wrapper.workspace.numel() <= 2.5 * wrapper.need

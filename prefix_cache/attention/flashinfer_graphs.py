@@ -94,10 +94,11 @@ class OneLevelGraphs:
 
     def run(self, kind: str, q: torch.Tensor, paged, out: torch.Tensor) -> None:
         """Write the planned rows of ``out`` (engine order). Rows past the plan's are left as they
-        were, except on the prefill wrapper into a contiguous ``out`` of the capacity's rows, where
-        they are zeroed. FA2 writes a contiguous output only, and FA3 needs q and its output with the
-        capacity's rows: any other ``q`` or ``out`` goes through buffers of the capacity's rows, the
-        planned rows selected by a count on the device (a replay selects the current plan's)."""
+        were, except on the prefill wrapper into a contiguous ``out`` of the capacity's rows, which
+        writes the padding request's rows (zeros with FA3). FA2 writes a contiguous output only, and
+        FA3 needs q and its output with the capacity's rows: any other ``q`` or ``out`` goes through
+        buffers of the capacity's rows, the planned rows selected by a count on the device (a replay
+        selects the current plan's)."""
         wrapper = self._wrappers[kind]
         launch = self._launch_rows(kind, self._rows)
         if q.shape[0] < launch:
@@ -150,15 +151,20 @@ class OneLevelGraphs:
         return wrapper
 
     def _split_workspace_bytes(self, heads: dict) -> int:
-        """The float workspace of the FA2 (decode) wrapper. In CUDA-graph mode FlashInfer always splits
-        the KV and sizes its partial outputs for the capacity, not the plan: float32 rows of
-        ``num_qo_heads * (head_dim + 1)`` for 16-row tiles of a grid of up to
-        ``ceil(T * group / 16) + T`` programs (T the capacity's query tokens), or the device's resident
-        programs per KV head where that is more (bounded here by 32 per SM); 1.25x that."""
+        """The float workspace of the FA2 (decode) wrapper. In CUDA-graph mode FlashInfer's scheduler
+        (0.6.8, ``PrefillPlan``) always splits the KV and sizes its partial results for the capacity,
+        not the plan: float32 rows of ``num_qo_heads * (head_dim + 1)`` for tiles of ``tile`` packed
+        rows (16 for a group of at most 16 query heads per KV head, 64 up to 64, else 128) over a grid
+        of ``ceil(T * group / tile) + T - 1`` programs (T the capacity's query tokens: one per
+        request), or of 2 programs per SM per KV head where that is more. Taken here with 4 per SM,
+        and 1.25x in all."""
         tokens = self._capacity.max_query_tokens
         group = heads["num_qo_heads"] // heads["num_kv_heads"]
-        grid = max(-(-tokens * group // 16) + tokens, 32 * num_sms(self._device) // heads["num_kv_heads"])
-        return heads["num_qo_heads"] * grid * 16 * (heads["head_dim"] + 1) * 4 * 5 // 4
+        tile = 16 if group <= 16 else 64 if group <= 64 else 128
+        grid = max(
+            -(-tokens * group // tile) + tokens - 1, 4 * num_sms(self._device) // heads["num_kv_heads"]
+        )
+        return heads["num_qo_heads"] * grid * tile * (heads["head_dim"] + 1) * 4 * 5 // 4
 
     @staticmethod
     def _plan_wrapper(

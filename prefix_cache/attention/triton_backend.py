@@ -54,7 +54,7 @@ class GraphCapacity:
 
     max_query_tokens: query tokens of the largest batch (the rows of the q a graph is captured with;
         a smaller batch is padded by the engine, its extra output rows are left as they were; the auto
-        backend's FlashInfer prefill launches zero them in a contiguous ``out``).
+        backend's FlashInfer prefill launches may overwrite them in a contiguous ``out``: zeros on Hopper).
     max_pages: page ids over all levels of a plan (the sum of ``len(level.kv_indices)``).
     max_levels: levels of a plan (``CascadePlanner.max_levels``).
     max_work_items: work items per launch; default ``max_query_tokens * max_levels`` plus room
