@@ -33,7 +33,6 @@ class BatchPrefillWithPagedKVCacheWrapper:
             qo_indptr_buf, paged_kv_indptr_buf, paged_kv_indices_buf, paged_kv_last_page_len_buf
         )  # fmt: skip
         self.max_rows = None
-        self.plans = 0
 
     def plan(self, qo_indptr, kv_indptr, kv_indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
              page_size, *, causal, sm_scale, q_data_type, kv_data_type):  # fmt: skip
@@ -65,7 +64,6 @@ class BatchPrefillWithPagedKVCacheWrapper:
         self.last.copy_(last_page_len)
         self.rows, self.page_size, self.causal, self.sm_scale = rows, page_size, causal, sm_scale
         self.heads = (num_qo_heads, num_kv_heads, head_dim)
-        self.plans += 1
 
     def run(self, q, paged, out=None):
         if q.shape[0] != self.rows:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from prefix_cache.attention.base import AttentionBackend, in_engine_order
+from prefix_cache.attention.base import AttentionBackend, check_pool, in_engine_order
 from prefix_cache.attention.triton_backend import GraphCapacity, TritonBackend
 from prefix_cache.cascade import CascadePlan
 
@@ -167,13 +167,7 @@ class AutoBackend(AttentionBackend):
         if self.route == "triton":
             self._triton._run(plan, q, kv_cache, k, v, out)
         elif self.capacity is not None:
-            max_page = self._fi_graphs.max_page
-            if q.device != self.device:
-                raise ValueError(
-                    f"q and kv_cache must be on {self.device} (the plan's device), got {q.device}"
-                )
-            if max_page >= k.shape[0]:
-                raise ValueError(f"the plan references page {max_page}, the KV cache has {k.shape[0]} pages")
+            check_pool(self.device, self._fi_graphs.max_page, q, k)
             # FlashInfer takes the 5-D NHD tensor or a (k, v) pair of 4-D tensors, reading page strides.
             paged = kv_cache if isinstance(kv_cache, torch.Tensor) else (k, v)
             self._fi_graphs.run(self._graph_key.removeprefix("flashinfer-"), q, paged, out)

@@ -173,6 +173,15 @@ def check_run_tensors(backend: AttentionBackend, plan: CascadePlan, q: torch.Ten
         raise ValueError("the head_dim axis of q must be contiguous")
 
 
+def check_pool(device: torch.device, max_page: int, q: torch.Tensor, k: torch.Tensor) -> None:
+    """``run``'s check of a backend that reads the pool through the plan's page ids: q on the plan's
+    ``device``, and every page id of the plan (at most ``max_page``) inside the pool ``k``."""
+    if q.device != device:
+        raise ValueError(f"q and kv_cache must be on {device} (the plan's device), got {q.device}")
+    if max_page >= k.shape[0]:
+        raise ValueError(f"the plan references page {max_page}, the KV cache has {k.shape[0]} pages")
+
+
 def in_engine_order(query_order: np.ndarray) -> bool:
     """True when planned query token t is the engine's token t for every t (``CascadePlanner``'s
     one-level plans): a backend then passes q and its output through without a gather or scatter."""

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from prefix_cache.attention.base import AttentionBackend
+from prefix_cache.attention.base import AttentionBackend, check_pool
 from prefix_cache.cascade import CascadePlan
 from prefix_cache.kernels._common import LOG2E, interpreting, num_sms
 from prefix_cache.kernels.attention import AttentionLaunch
@@ -445,12 +445,7 @@ class TritonBackend(AttentionBackend):
         self._launch_key = key
 
     def _run(self, plan, q, kv_cache, k, v, out) -> None:
-        if q.device != self.device:
-            raise ValueError(f"q and kv_cache must be on {self.device} (the plan's device), got {q.device}")
-        if self._max_page >= k.shape[0]:
-            raise ValueError(
-                f"the plan references page {self._max_page}, the KV cache has {k.shape[0]} pages"
-            )
+        check_pool(self.device, self._max_page, q, k)
         if plan.num_query_tokens == 0 and self.capacity is None:
             return
         if not self._runnable:
