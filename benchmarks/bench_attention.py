@@ -12,7 +12,11 @@ Per case (a batch: requests over a sharing tree of prefixes, shuffled physical p
 - ``triton``: the pure-Triton backend on the default plan (no FlashInfer anywhere);
 - FlashInfer: decode wrapper with and without tensor cores, paged prefill wrapper (one level, every
   request over its whole table) and our flashinfer backend on the cascade (its multi-level cascade
-  wrapper); graphs capture ``run`` with the plan fixed;
+  wrapper). The decode and prefill wrappers' graph times are their CUDA-graph wrappers'
+  (``use_cuda_graph=True``, index buffers sized for the batch), which an engine replays across steps;
+  their plain wrappers captured with the plan fixed (a graph no later plan can replay: ``plan``
+  replaces their index tensors) are reported beside them (``fixed_plan_graph_ms``). The cascade arm has
+  only the fixed-plan capture, counted as its graph time;
 - peers (``--peers DIR`` holding ``peer_kernels.py``; decode batches only): FastTree,
   RelayAttention++ and DeFT through ``peer_arms``, eager and graphed. Their code stays outside.
 
@@ -233,6 +237,9 @@ class Arm:
     graph: bool = True  # whether a CUDA graph of ``run`` is meaningful
     host: bool = False  # whether to report host µs
     note: str = ""
+    # What the graph time replays where it differs from ``run``: FlashInfer's CUDA-graph wrapper on the
+    # same batch (``run`` is then also captured with its plan fixed, reported apart).
+    graph_run: Callable[[], torch.Tensor] | None = None
 
 
 def our_arms(case, tables, kv_lens, qo_lens, q, kv_cache, cuda, dtype) -> list[Arm]:
@@ -296,18 +303,39 @@ def flashinfer_arms(case, tables, kv_lens, qo_lens, q, kv_cache, dtype) -> list[
     def workspace():
         return torch.zeros(256 * 1024 * 1024, dtype=torch.uint8, device=device)
 
+    planned = dict(sm_scale=case.d**-0.5, q_data_type=dtype, kv_data_type=dtype)
+
+    def graph_buffers(suffix: str, qo: bool) -> dict:
+        """Index buffers of this batch's size for a CUDA-graph wrapper (keywords end in ``suffix``)."""
+        sized = {"paged_kv_indptr": indptr, "paged_kv_indices": indices, "paged_kv_last_page_len": last}
+        if qo:
+            sized["qo_indptr"] = qo_indptr
+        return {name + suffix: torch.empty_like(t, device=device) for name, t in sized.items()}
+
     if bool((qo_lens == 1).all()):
         for tc in (False, True):
-            w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace(), "NHD", use_tensor_cores=tc)
-            w.plan(indptr.to(device), indices.to(device), last.to(device), *heads, sm_scale=case.d**-0.5,
-                   q_data_type=dtype, kv_data_type=dtype)  # fmt: skip
-            arms.append(
-                Arm(f"flashinfer decode{' tc' if tc else ''}", lambda w=w: w.run(q, kv_cache), host=True)
-            )
-    w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace(), "NHD")
-    w.plan(qo_indptr, indptr, indices, last, *heads, causal=True, sm_scale=case.d**-0.5, q_data_type=dtype,
-           kv_data_type=dtype)  # fmt: skip
-    arms.append(Arm("flashinfer prefill", lambda w=w: w.run(q, kv_cache), host=True))
+            wrappers = []
+            for graph in (False, True):
+                buffers = graph_buffers("_buffer", qo=False) if graph else {}
+                w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                    workspace(), "NHD", use_tensor_cores=tc, use_cuda_graph=graph, **buffers
+                )
+                w.plan(indptr.to(device), indices.to(device), last.to(device), *heads, **planned)
+                wrappers.append(w)
+            plain, graph_mode = wrappers
+            arms.append(Arm(f"flashinfer decode{' tc' if tc else ''}", lambda w=plain: w.run(q, kv_cache),
+                            host=True, graph_run=lambda w=graph_mode: w.run(q, kv_cache)))  # fmt: skip
+    wrappers = []
+    for graph in (False, True):
+        buffers = graph_buffers("_buf", qo=True) if graph else {}
+        w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            workspace(), "NHD", use_cuda_graph=graph, **buffers
+        )
+        w.plan(qo_indptr, indptr, indices, last, *heads, causal=True, **planned)
+        wrappers.append(w)
+    plain, graph_mode = wrappers
+    arms.append(Arm("flashinfer prefill", lambda w=plain: w.run(q, kv_cache), host=True,
+                    graph_run=lambda w=graph_mode: w.run(q, kv_cache)))  # fmt: skip
     plan = CascadePlanner().plan(tables, kv_lens, qo_lens, ps)
     if len(plan.levels) > 1:
         fi = create_backend("flashinfer", device=device)
@@ -397,7 +425,15 @@ def bench_case(case: Case, peers, cuda: bool, dtype, ceilings, flashinfer_head_d
                 entry["ms"] = time_ms(arm.run, cuda)
                 if arm.host:
                     entry["host_us"] = host_us(arm.run, cuda)
-                if cuda and arm.graph:
+                if cuda and arm.graph_run is not None:
+                    graph_err = float((arm.graph_run().float() - ref).abs().max()) / ref_scale
+                    entry["graph_rel_err"] = graph_err
+                    if not math.isfinite(graph_err) or graph_err > MAX_REL_ERR:
+                        entry["error"] = f"wrong CUDA-graph wrapper output: relative error {graph_err:.3g}"
+                    else:
+                        entry["graph_ms"] = time_ms(graphed(arm.graph_run), cuda)
+                    entry["fixed_plan_graph_ms"] = time_ms(graphed(arm.run), cuda)
+                elif cuda and arm.graph:
                     entry["graph_ms"] = time_ms(graphed(arm.run), cuda)
         except Exception as error:
             entry["error"] = f"{type(error).__name__}: {error}"[:300]
@@ -434,8 +470,8 @@ def derive(row: dict) -> dict:
     fi = [r for n, r in results.items() if n.startswith("flashinfer")]
     others = [r for n, r in results.items() if n not in ours_names]
 
-    def best(rows, key):
-        values = [r[key] for r in rows if r.get(key) is not None]
+    def best(rows, *keys):
+        values = [r[k] for r in rows for k in keys if r.get(k) is not None]
         return min(values) if values else None
 
     ours, ours_graph = ms("ours"), ms("ours graph", "graph_ms")
@@ -457,6 +493,9 @@ def derive(row: dict) -> dict:
         best_flashinfer_graph_ms=best(fi, "graph_ms"),
         best_peer_ms=best(others, "ms"),
         best_peer_graph_ms=best(others, "graph_ms"),
+        # FlashInfer's plain wrappers captured with their plan fixed (no later plan can replay them).
+        best_flashinfer_fixed_plan_graph_ms=best(fi, "fixed_plan_graph_ms"),
+        best_other_any_graph_ms=best(others, "graph_ms", "fixed_plan_graph_ms"),
         host_us=results.get("ours", {}).get("host_us"),
         triton_host_us=results.get("triton", {}).get("host_us"),
         flashinfer_host_us=fastest_fi.get("host_us"),
@@ -478,8 +517,8 @@ def _f(x, fmt="{:.3f}"):
 def markdown(rows: list[dict]) -> str:
     head = (
         "| case | shape | ours eager | ours graph | cascade (graph) | one level (graph) | triton eager | "
-        "best FlashInfer eager / graph | best other eager / graph | bound | "
-        "ours / best other (eager, graph) | ours / bound (graph) | "
+        "best FlashInfer eager / graph / fixed-plan graph | best other eager / graph | bound | "
+        "ours / best other (eager, graph, graph vs any capture) | ours / bound (graph) | "
         "host µs (auto, triton, best FlashInfer) |\n|" + "---|" * 13
     )
     lines = [head]
@@ -490,13 +529,16 @@ def markdown(rows: list[dict]) -> str:
             if r["ours_graph_ms"] and r["best_peer_graph_ms"]
             else None
         )
+        any_capture = r.get("best_other_any_graph_ms")
+        ratio_any = r["ours_graph_ms"] / any_capture if r["ours_graph_ms"] and any_capture else None
         to_bound = r["ours_graph_ms"] / r["bound_ms"] if r["ours_graph_ms"] and r["bound_ms"] else None
         lines.append(
             f"| {r['case']} | {r['shape']} | {_f(r['ours_ms'])} | {_f(r['ours_graph_ms'])} | "
             f"{_f(r['cascade_graph_ms'])} | {_f(r['one_level_graph_ms'])} | {_f(r['triton_ms'])} | "
-            f"{_f(r['best_flashinfer_ms'])} / {_f(r['best_flashinfer_graph_ms'])} | "
+            f"{_f(r['best_flashinfer_ms'])} / {_f(r['best_flashinfer_graph_ms'])} / "
+            f"{_f(r.get('best_flashinfer_fixed_plan_graph_ms'))} | "
             f"{_f(r['best_peer_ms'])} / {_f(r['best_peer_graph_ms'])} | {_f(r['bound_ms'])} | "
-            f"{_f(ratio_e, '{:.2f}')}, {_f(ratio_g, '{:.2f}')} | "
+            f"{_f(ratio_e, '{:.2f}')}, {_f(ratio_g, '{:.2f}')}, {_f(ratio_any, '{:.2f}')} | "
             f"{_f(to_bound, '{:.2f}')} | "
             f"{_f(r['host_us'], '{:.0f}')}, {_f(r['triton_host_us'], '{:.0f}')}, "
             f"{_f(r.get('flashinfer_host_us'), '{:.0f}')} |"
@@ -506,18 +548,19 @@ def markdown(rows: list[dict]) -> str:
 
 def arms_markdown(rows: list[dict]) -> str:
     lines = [
-        "| case | arm | eager ms | graph ms | host µs | rel. error | note |",
-        "|---|---|---|---|---|---|---|",
+        "| case | arm | eager ms | graph ms | fixed-plan graph ms | host µs | rel. error | note |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         for name, a in r["arms"].items():
             lines.append(
                 f"| {r['case']} | {name} | {_f(a.get('ms'), '{:.4f}')} | {_f(a.get('graph_ms'), '{:.4f}')} | "
+                f"{_f(a.get('fixed_plan_graph_ms'), '{:.4f}')} | "
                 f"{_f(a.get('host_us'), '{:.0f}')} | {_f(a.get('rel_err'), '{:.1e}')} | "
                 f"{a.get('error', a.get('note', ''))} |"
             )
         for name, why in r["skipped"].items():
-            lines.append(f"| {r['case']} | {name} | - | - | - | - | skipped: {why} |")
+            lines.append(f"| {r['case']} | {name} | - | - | - | - | - | skipped: {why} |")
     return "\n".join(lines)
 
 
