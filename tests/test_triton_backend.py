@@ -113,6 +113,25 @@ def test_a_new_plan_is_run_with_its_own_launches() -> None:
         torch.testing.assert_close(backend.run(q, kv_cache).double(), expected, atol=2e-5, rtol=2e-5)
 
 
+def test_an_exact_plan_launches_its_narrowest_tile_first() -> None:
+    """The unique level's decode tile runs before the shared level's wider one (measured faster on
+    the H200, benchmarks/NOTES.md attempt 16), and the order leaves the output as it was."""
+    gen = torch.Generator().manual_seed(2)
+    kv_cache = torch.randn(40, 2, 4, 1, 16, generator=gen).to(DEVICE)
+    tables = [np.concatenate([np.arange(8), [8 + r]]) for r in range(16)]  # 8 shared pages, 1 own
+    kv_lens, qo_lens = [35] * 16, [1] * 16
+    planner = CascadePlanner(min_shared_tokens=1, min_saved_tokens=1, cost_model=None)
+    plan = planner.plan(tables, kv_lens, qo_lens, 4)
+    assert len(plan.levels) == 2, "the batch needs a shared level and a unique one"
+    backend = TritonBackend(device=DEVICE)
+    backend.plan(plan, **HEADS)
+    rows = [launch.tile.block_m for launch in backend._launches]
+    assert len(rows) == 2 and rows == sorted(rows) and rows[0] < rows[1], rows
+    q = torch.randn(16, 2, 16, generator=gen).to(DEVICE)
+    expected = reference_attention(q, kv_cache, tables, kv_lens, qo_lens, 16**-0.5)
+    torch.testing.assert_close(backend.run(q, kv_cache).double(), expected, atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors outside the interpreter")
 def test_cpu_tensors_need_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     backend = TritonBackend(device="cpu")
