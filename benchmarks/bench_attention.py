@@ -177,8 +177,9 @@ def work_of(case: Case, tables, kv_lens, qo_lens, dtype) -> tuple[float, float]:
 # Timing
 
 
-def graphed(fn: Callable[[], object]) -> Callable[[], None]:
-    """Capture one call of ``fn`` in a CUDA graph (after a warm call on a side stream)."""
+def graphed(fn: Callable[[], object]) -> tuple[Callable[[], None], object]:
+    """Capture one call of ``fn`` in a CUDA graph (after a warm call on a side stream): (the graph's
+    replay, what the captured call returned, which each replay writes again)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -186,8 +187,8 @@ def graphed(fn: Callable[[], object]) -> Callable[[], None]:
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
+        captured = fn()
+    return graph.replay, captured
 
 
 def time_ms(fn: Callable[[], object], cuda: bool) -> float:
@@ -283,7 +284,10 @@ def _has_cost_model() -> bool:
     return "cost_model" in getattr(CascadePlanner, "__dataclass_fields__", {})
 
 
-def flashinfer_arms(case, tables, kv_lens, qo_lens, q, kv_cache, dtype) -> list[Arm]:
+def flashinfer_arms(case, tables, kv_lens, qo_lens, q, kv_cache, dtype, skipped: dict) -> list[Arm]:
+    """FlashInfer's arms. A wrapper that cannot be built or planned for this batch (an unsupported
+    group size, say) is reported in ``skipped`` under its arm's name; the other arms still run. A
+    CUDA-graph wrapper that fails leaves its arm without a graph time (the error is recorded there)."""
     try:
         import flashinfer
     except ImportError:
@@ -299,11 +303,10 @@ def flashinfer_arms(case, tables, kv_lens, qo_lens, q, kv_cache, dtype) -> list[
     )
     qo_indptr = torch.tensor(np.concatenate([[0], np.cumsum(qo_lens)]), dtype=torch.int32)
     heads = (case.hq, case.hkv, case.d, ps)
+    planned = dict(sm_scale=case.d**-0.5, q_data_type=dtype, kv_data_type=dtype)
 
     def workspace():
         return torch.zeros(256 * 1024 * 1024, dtype=torch.uint8, device=device)
-
-    planned = dict(sm_scale=case.d**-0.5, q_data_type=dtype, kv_data_type=dtype)
 
     def graph_buffers(suffix: str, qo: bool) -> dict:
         """Index buffers of this batch's size for a CUDA-graph wrapper (keywords end in ``suffix``)."""
@@ -312,37 +315,60 @@ def flashinfer_arms(case, tables, kv_lens, qo_lens, q, kv_cache, dtype) -> list[
             sized["qo_indptr"] = qo_indptr
         return {name + suffix: torch.empty_like(t, device=device) for name, t in sized.items()}
 
-    if bool((qo_lens == 1).all()):
-        for tc in (False, True):
-            wrappers = []
-            for graph in (False, True):
-                buffers = graph_buffers("_buffer", qo=False) if graph else {}
-                w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                    workspace(), "NHD", use_tensor_cores=tc, use_cuda_graph=graph, **buffers
-                )
-                w.plan(indptr.to(device), indices.to(device), last.to(device), *heads, **planned)
-                wrappers.append(w)
-            plain, graph_mode = wrappers
-            arms.append(Arm(f"flashinfer decode{' tc' if tc else ''}", lambda w=plain: w.run(q, kv_cache),
-                            host=True, graph_run=lambda w=graph_mode: w.run(q, kv_cache)))  # fmt: skip
-    wrappers = []
-    for graph in (False, True):
+    def decode(tc: bool, graph: bool) -> Callable[[], torch.Tensor]:
+        buffers = graph_buffers("_buffer", qo=False) if graph else {}
+        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            workspace(), "NHD", use_tensor_cores=tc, use_cuda_graph=graph, **buffers
+        )
+        w.plan(indptr.to(device), indices.to(device), last.to(device), *heads, **planned)
+        return lambda: w.run(q, kv_cache)
+
+    def prefill(graph: bool) -> Callable[[], torch.Tensor]:
         buffers = graph_buffers("_buf", qo=True) if graph else {}
         w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             workspace(), "NHD", use_cuda_graph=graph, **buffers
         )
         w.plan(qo_indptr, indptr, indices, last, *heads, causal=True, **planned)
-        wrappers.append(w)
-    plain, graph_mode = wrappers
-    arms.append(Arm("flashinfer prefill", lambda w=plain: w.run(q, kv_cache), host=True,
-                    graph_run=lambda w=graph_mode: w.run(q, kv_cache)))  # fmt: skip
-    plan = CascadePlanner().plan(tables, kv_lens, qo_lens, ps)
-    if len(plan.levels) > 1:
+        return lambda: w.run(q, kv_cache)
+
+    def cascade() -> Callable[[], torch.Tensor]:
         fi = create_backend("flashinfer", device=device)
         fi.plan(plan, num_qo_heads=case.hq, num_kv_heads=case.hkv, head_dim=case.d, q_dtype=dtype)
         buf = torch.empty_like(q)
-        arms.append(Arm("flashinfer cascade", lambda: fi.run(q, kv_cache, out=buf), host=True))
+        return lambda: fi.run(q, kv_cache, out=buf)
+
+    def add(name: str, make: Callable[[bool], Callable[[], torch.Tensor]], graph_wrapper: bool) -> None:
+        try:
+            run = make(False)
+        except Exception as error:
+            skipped[name] = f"{type(error).__name__}: {error}"[:300]
+            return
+        graph_run = None
+        if graph_wrapper:
+            try:
+                graph_run = make(True)
+            except Exception as error:
+                graph_run = _raises(error)
+        arms.append(Arm(name, run, host=True, graph_run=graph_run))
+
+    if bool((qo_lens == 1).all()):
+        for tc in (False, True):
+            add(f"flashinfer decode{' tc' if tc else ''}", lambda graph, tc=tc: decode(tc, graph), True)
+    add("flashinfer prefill", prefill, True)
+    plan = CascadePlanner().plan(tables, kv_lens, qo_lens, ps)
+    if len(plan.levels) > 1:
+        add("flashinfer cascade", lambda graph: cascade(), False)
     return arms
+
+
+def _raises(error: Exception) -> Callable[[], torch.Tensor]:
+    """A run that raises ``error`` (a CUDA-graph wrapper that could not be made: its graph time is
+    then reported as that error)."""
+
+    def run() -> torch.Tensor:
+        raise error
+
+    return run
 
 
 def peer_arms(peers, case, tables, kv_lens, qo_lens, q, kv_cache) -> tuple[list[Arm], dict]:
@@ -400,10 +426,7 @@ def bench_case(case: Case, peers, cuda: bool, dtype, ceilings, flashinfer_head_d
             f"head_dim {case.d} not in --flashinfer-head-dims (its JIT build takes minutes)"
         )
     elif cuda:
-        try:
-            arms += flashinfer_arms(case, tables, kv_lens, qo_lens, q, kv_cache, dtype)
-        except Exception as error:  # an arm that cannot run is reported, not fatal
-            skipped["flashinfer"] = f"{type(error).__name__}: {error}"[:300]
+        arms += flashinfer_arms(case, tables, kv_lens, qo_lens, q, kv_cache, dtype, skipped)
     if cuda:
         try:
             peer, peer_skipped = peer_arms(peers, case, tables, kv_lens, qo_lens, q, kv_cache)
@@ -412,33 +435,53 @@ def bench_case(case: Case, peers, cuda: bool, dtype, ceilings, flashinfer_head_d
         except Exception as error:
             skipped["peers"] = f"{type(error).__name__}: {error}"[:300]
 
-    results = {}
-    for arm in arms:
-        entry: dict = {"note": arm.note}
-        try:
-            out = arm.run()
-            err = float((out.float() - ref).abs().max()) / ref_scale
-            entry["rel_err"] = err
-            if not math.isfinite(err) or err > MAX_REL_ERR:
-                entry["error"] = f"wrong output: relative error {err:.3g}"
-            else:
-                entry["ms"] = time_ms(arm.run, cuda)
-                if arm.host:
-                    entry["host_us"] = host_us(arm.run, cuda)
-                if cuda and arm.graph_run is not None:
-                    graph_err = float((arm.graph_run().float() - ref).abs().max()) / ref_scale
-                    entry["graph_rel_err"] = graph_err
-                    if not math.isfinite(graph_err) or graph_err > MAX_REL_ERR:
-                        entry["error"] = f"wrong CUDA-graph wrapper output: relative error {graph_err:.3g}"
-                    else:
-                        entry["graph_ms"] = time_ms(graphed(arm.graph_run), cuda)
-                    entry["fixed_plan_graph_ms"] = time_ms(graphed(arm.run), cuda)
-                elif cuda and arm.graph:
-                    entry["graph_ms"] = time_ms(graphed(arm.run), cuda)
-        except Exception as error:
-            entry["error"] = f"{type(error).__name__}: {error}"[:300]
-        results[arm.name] = entry
+    results = {arm.name: measure(arm, ref, ref_scale, cuda) for arm in arms}
     return summarise(case, results, skipped, tables, kv_lens, qo_lens, dtype, ceilings)
+
+
+def measure(arm: Arm, ref: torch.Tensor, ref_scale: float, cuda: bool) -> dict:
+    """One arm's entry: ``rel_err`` and eager ``ms`` (``host_us``), then each CUDA-graph time with
+    the relative error of the graph's own replayed output (``graph_ms`` / ``graph_rel_err``, and for
+    a FlashInfer CUDA-graph wrapper also ``fixed_plan_graph_ms`` / ``fixed_plan_graph_rel_err``). A
+    wrong output or an exception is recorded under ``error`` (eager: the arm then has no times) or
+    ``graph_error`` / ``fixed_plan_graph_error`` (that time alone is missing)."""
+    entry: dict = {"note": arm.note}
+
+    def rel_err(out) -> float:
+        return float((out.float() - ref).abs().max()) / ref_scale
+
+    def wrong(err: float) -> bool:
+        return not math.isfinite(err) or err > MAX_REL_ERR
+
+    try:
+        entry["rel_err"] = err = rel_err(arm.run())
+        if wrong(err):
+            entry["error"] = f"wrong output: relative error {err:.3g}"
+            return entry
+        entry["ms"] = time_ms(arm.run, cuda)
+        if arm.host:
+            entry["host_us"] = host_us(arm.run, cuda)
+    except Exception as error:
+        entry["error"] = f"{type(error).__name__}: {error}"[:300]
+        return entry
+    if not (cuda and arm.graph):
+        return entry
+    captures = (
+        {"graph": arm.run} if arm.graph_run is None else {"graph": arm.graph_run, "fixed_plan_graph": arm.run}
+    )
+    for key, fn in captures.items():
+        try:
+            replay, out = graphed(fn)
+            out.fill_(float("nan"))  # the replay must write every element again
+            replay()
+            entry[f"{key}_rel_err"] = err = rel_err(out)
+            if wrong(err):
+                entry[f"{key}_error"] = f"wrong replayed output: relative error {err:.3g}"
+            else:
+                entry[f"{key}_ms"] = time_ms(replay, cuda)
+        except Exception as error:
+            entry[f"{key}_error"] = f"{type(error).__name__}: {error}"[:300]
+    return entry
 
 
 def summarise(case, results, skipped, tables, kv_lens, qo_lens, dtype, ceilings) -> dict:
@@ -493,8 +536,10 @@ def derive(row: dict) -> dict:
         best_flashinfer_graph_ms=best(fi, "graph_ms"),
         best_peer_ms=best(others, "ms"),
         best_peer_graph_ms=best(others, "graph_ms"),
-        # FlashInfer's plain wrappers captured with their plan fixed (no later plan can replay them).
-        best_flashinfer_fixed_plan_graph_ms=best(fi, "fixed_plan_graph_ms"),
+        # Captures with the plan fixed (no later plan can replay them): FlashInfer's plain wrappers
+        # beside its CUDA-graph ones, the cascade arm's only capture; then the fastest capture of any
+        # kind of any other arm.
+        best_flashinfer_fixed_plan_graph_ms=best([_fixed_plan_capture(r) for r in fi], "ms"),
         best_other_any_graph_ms=best(others, "graph_ms", "fixed_plan_graph_ms"),
         host_us=results.get("ours", {}).get("host_us"),
         triton_host_us=results.get("triton", {}).get("host_us"),
@@ -504,6 +549,14 @@ def derive(row: dict) -> dict:
         tflop_per_s=row["flops"] / (ours * 1e-3) / 1e12 if ours else None,
     )
     return row
+
+
+def _fixed_plan_capture(arm: dict) -> dict:
+    """{"ms": the arm's capture with its plan fixed}: ``fixed_plan_graph_ms`` where the arm also ran
+    a CUDA-graph wrapper (any ``fixed_plan_graph*`` key), else its ``graph_ms``."""
+    if any(key.startswith("fixed_plan_graph") for key in arm):
+        return {"ms": arm.get("fixed_plan_graph_ms")}
+    return {"ms": arm.get("graph_ms")}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -607,6 +660,12 @@ def rebuild(stored: Path, out: Path) -> None:
     meta = json.loads(next(line for line in lines if line.startswith("{")))
     rows = json.loads((stored / "attention_h200.json").read_text())
     for row in rows:
+        for name, arm in row["arms"].items():
+            # Runs before FlashInfer's CUDA-graph wrappers were measured: the decode and prefill
+            # wrappers' graph time was their fixed-plan capture.
+            old = "graph_ms" in arm and not any(key.startswith("fixed_plan_graph") for key in arm)
+            if old and name.startswith(("flashinfer decode", "flashinfer prefill")):
+                arm["fixed_plan_graph_ms"] = arm.pop("graph_ms")
         case = cases[row["case"]]
         tables, kv_lens, qo_lens, _ = build_batch(case)
         row["bytes"], row["flops"] = work_of(case, tables, kv_lens, qo_lens, torch.bfloat16)

@@ -50,7 +50,7 @@ def per_call_us(fn, calls: int, wait: bool) -> float:
 
 def graph_us(fn, runs: int = 20) -> float:
     """GPU µs per call: ``runs`` calls captured in one CUDA graph, replayed (median of 5)."""
-    replay = graphed(lambda: [fn() for _ in range(runs)])
+    replay, _ = graphed(lambda: [fn() for _ in range(runs)])
     times = []
     for _ in range(5):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -244,8 +244,8 @@ class TritonBackend(AttentionBackend):
         group = self.num_qo_heads // self.num_kv_heads
         level_tiles = [self._tile_for(level, tiles, plan.page_size) for level in levels]
         # Narrow launches (the unique level's decode) before wide ones (shared prefixes), as the
-        # fixed pair runs: an H200 sweep measured 5-12% less GPU time on two-level batches whose tiles
-        # are the same either way (benchmarks/NOTES.md, attempt 16).
+        # fixed pair runs: an H200 sweep measured 5-15% less GPU time on several shared batches and no
+        # batch slower (benchmarks/NOTES.md, attempt 16).
         used = sorted(set(level_tiles), key=lambda tile: tile.block_m) if tiles is None else list(tiles)
         work, splits, item_level = levels_work(
             levels, causal=[source.causal for source in plan.levels], tiles=level_tiles, group_size=group,
