@@ -539,7 +539,10 @@ def derive(row: dict) -> dict:
         # Captures with the plan fixed (no later plan can replay them): FlashInfer's plain wrappers
         # beside its CUDA-graph ones, the cascade arm's only capture; then the fastest capture of any
         # kind of any other arm.
-        best_flashinfer_fixed_plan_graph_ms=best([_fixed_plan_capture(r) for r in fi], "ms"),
+        best_flashinfer_fixed_plan_graph_ms=min(
+            (ms for r in fi if (ms := r.get("fixed_plan_graph_ms" if _ran_graph_wrapper(r) else "graph_ms"))),
+            default=None,
+        ),
         best_other_any_graph_ms=best(others, "graph_ms", "fixed_plan_graph_ms"),
         host_us=results.get("ours", {}).get("host_us"),
         triton_host_us=results.get("triton", {}).get("host_us"),
@@ -551,12 +554,10 @@ def derive(row: dict) -> dict:
     return row
 
 
-def _fixed_plan_capture(arm: dict) -> dict:
-    """{"ms": the arm's capture with its plan fixed}: ``fixed_plan_graph_ms`` where the arm also ran
-    a CUDA-graph wrapper (any ``fixed_plan_graph*`` key), else its ``graph_ms``."""
-    if any(key.startswith("fixed_plan_graph") for key in arm):
-        return {"ms": arm.get("fixed_plan_graph_ms")}
-    return {"ms": arm.get("graph_ms")}
+def _ran_graph_wrapper(arm: dict) -> bool:
+    """Whether the arm also ran a FlashInfer CUDA-graph wrapper (any ``fixed_plan_graph*`` key): its
+    capture with the plan fixed is then ``fixed_plan_graph_ms``, else its ``graph_ms``."""
+    return any(key.startswith("fixed_plan_graph") for key in arm)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -663,7 +664,7 @@ def rebuild(stored: Path, out: Path) -> None:
         for name, arm in row["arms"].items():
             # Runs before FlashInfer's CUDA-graph wrappers were measured: the decode and prefill
             # wrappers' graph time was their fixed-plan capture.
-            old = "graph_ms" in arm and not any(key.startswith("fixed_plan_graph") for key in arm)
+            old = "graph_ms" in arm and not _ran_graph_wrapper(arm)
             if old and name.startswith(("flashinfer decode", "flashinfer prefill")):
                 arm["fixed_plan_graph_ms"] = arm.pop("graph_ms")
         case = cases[row["case"]]
