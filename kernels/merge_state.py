@@ -16,6 +16,35 @@ from prefix_cache.kernels._launch import BoundKernel, CachedSpecialization, spec
 
 
 @triton.jit
+def _fold_rows(
+    m, denom, acc, o_ptr, lse_ptr, start, count, step, stride_o_row, stride_o_head, stride_lse_row,
+    offs_h, offs_d, h_ok, hd_ok,
+    LSE_SCALE: tl.constexpr,  # 1.0 for natural-log LSEs, ln 2 for base-2 ones
+):  # fmt: skip
+    """Fold the ``count`` partial rows ``start + i * step`` into the running (max, denominator,
+    weighted sum) of a tile of heads, one row after another."""
+    for i in range(count):
+        row = start + i * step
+        s = tl.load(lse_ptr + row * stride_lse_row + offs_h, mask=h_ok, other=float("-inf")).to(tl.float32)
+        s = s * LSE_SCALE
+        o = tl.load(
+            o_ptr + row * stride_o_row + offs_h[:, None] * stride_o_head + offs_d[None, :],
+            mask=hd_ok,
+            other=0.0,
+        ).to(tl.float32)
+        m_new = tl.maximum(m, s)
+        # A head with only empty segments so far keeps m = -inf; shifting by 0 avoids (-inf) - (-inf).
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        w = tl.exp(s - m_safe)
+        # An empty segment's output is never read into the sum, so garbage there cannot become NaN.
+        acc = acc * alpha[:, None] + tl.where(w[:, None] > 0.0, o * w[:, None], 0.0)
+        denom = denom * alpha + w
+        m = m_new
+    return m, denom, acc
+
+
+@triton.jit
 def _merge_states_kernel(
     o_ptr,  # [R, H, D] partial outputs
     lse_ptr,  # [R, H] partial natural-log LSE
@@ -24,21 +53,29 @@ def _merge_states_kernel(
     out_rows_ptr,  # [T] int64: output row of token t (SCATTER)
     out_ptr,  # [*, H, D]
     out_lse_ptr,  # [*, H] float32 (WRITE_LSE)
+    ext_o_ptr,  # [R2, H, D] more partial outputs, any float dtype (EXTRA)
+    ext_lse_ptr,  # [R2, H] their base-2 LSE (FlashInfer's convention) (EXTRA)
+    ext_ptr,  # [3, T] int32: token t's first row in ext_o, rows between its states, its states (EXTRA)
     num_heads,
     fixed_count,  # partial rows per token when not VARLEN
     row_step,  # distance in rows between a token's consecutive partial rows
+    num_tokens,  # T (EXTRA: the row length of ext_ptr)
     stride_o_row,
     stride_o_head,
     stride_lse_row,
     stride_out_row,
     stride_out_head,
     stride_out_lse_row,
+    stride_ext_row,
+    stride_ext_head,
+    stride_ext_lse_row,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     VARLEN: tl.constexpr,
     SCATTER: tl.constexpr,
     WRITE_LSE: tl.constexpr,
+    EXTRA: tl.constexpr,
 ):
     t = tl.program_id(0)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -56,23 +93,18 @@ def _merge_states_kernel(
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for i in range(count):
-        row = start + i * row_step
-        s = tl.load(lse_ptr + row * stride_lse_row + offs_h, mask=h_ok, other=float("-inf")).to(tl.float32)
-        o = tl.load(
-            o_ptr + row * stride_o_row + offs_h[:, None] * stride_o_head + offs_d[None, :],
-            mask=hd_ok,
-            other=0.0,
-        ).to(tl.float32)
-        m_new = tl.maximum(m, s)
-        # A head with only empty segments so far keeps m = -inf; shifting by 0 avoids (-inf) - (-inf).
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_safe)
-        w = tl.exp(s - m_safe)
-        # An empty segment's output is never read into the sum, so garbage there cannot become NaN.
-        acc = acc * alpha[:, None] + tl.where(w[:, None] > 0.0, o * w[:, None], 0.0)
-        denom = denom * alpha + w
-        m = m_new
+    m, denom, acc = _fold_rows(
+        m, denom, acc, o_ptr, lse_ptr, start, count, row_step, stride_o_row, stride_o_head,
+        stride_lse_row, offs_h, offs_d, h_ok, hd_ok, 1.0,
+    )  # fmt: skip
+    if EXTRA:
+        ext_start = tl.load(ext_ptr + t).to(tl.int64)
+        ext_step = tl.load(ext_ptr + num_tokens + t)
+        ext_count = tl.load(ext_ptr + 2 * num_tokens + t)
+        m, denom, acc = _fold_rows(
+            m, denom, acc, ext_o_ptr, ext_lse_ptr, ext_start, ext_count, ext_step, stride_ext_row,
+            stride_ext_head, stride_ext_lse_row, offs_h, offs_d, h_ok, hd_ok, 0.6931471805599453,
+        )  # fmt: skip
 
     empty = denom == 0.0
     out = acc / tl.where(empty, 1.0, denom)[:, None]
@@ -120,11 +152,12 @@ def merge_states(
     block_d = max(16, next_pow2(d))
     block_h = _block_h(h, block_d)
     _merge_states_kernel[(t, triton.cdiv(h, block_h))](
-        o, lse, o, o, o, out, out_lse,
-        h, n, t,
+        o, lse, o, o, o, out, out_lse, o, lse, o,
+        h, n, t, t,
         o.stride(1), o.stride(2), lse.stride(1),
-        out.stride(0), out.stride(1), out_lse.stride(0),
-        HEAD_DIM=d, BLOCK_H=block_h, BLOCK_D=block_d, VARLEN=False, SCATTER=False, WRITE_LSE=True,
+        out.stride(0), out.stride(1), out_lse.stride(0), 0, 0, 0,
+        HEAD_DIM=d, BLOCK_H=block_h, BLOCK_D=block_d, VARLEN=False, SCATTER=False,
+        WRITE_LSE=True, EXTRA=False,
     )  # fmt: skip
     return out, out_lse
 
@@ -160,29 +193,33 @@ def merge_states_varlen(
     block_h = _block_h(h, block_d)
     lse_out = out_lse if out_lse is not None else lse
     _merge_states_kernel[(t, triton.cdiv(h, block_h))](
-        o, lse, starts, counts, out_rows if out_rows is not None else starts, out, lse_out,
-        h, 0, 1,
+        o, lse, starts, counts, out_rows if out_rows is not None else starts, out, lse_out, o, lse, starts,
+        h, 0, 1, t,
         o.stride(0), o.stride(1), lse.stride(0),
-        out.stride(0), out.stride(1), lse_out.stride(0),
+        out.stride(0), out.stride(1), lse_out.stride(0), 0, 0, 0,
         HEAD_DIM=d, BLOCK_H=block_h, BLOCK_D=block_d, VARLEN=True,
-        SCATTER=out_rows is not None, WRITE_LSE=out_lse is not None,
+        SCATTER=out_rows is not None, WRITE_LSE=out_lse is not None, EXTRA=False,
     )  # fmt: skip
 
 
 class MergeLaunch:
     """``merge_states_varlen`` with ``out_rows`` and without its checks (the triton backend checks once
-    per plan), its grid and constants fixed when made: one program per query token over all heads."""
+    per plan), its grid and constants fixed when made: one program per query token and tile of heads.
 
-    def __init__(self, num_tokens: int, num_heads: int, head_dim: int) -> None:
+    extra: the tokens also have states in a second pair of buffers (another kernel's output in its
+    own dtype and base-2 LSE; see ``__call__``'s ``ext``).
+    """
+
+    def __init__(self, num_tokens: int, num_heads: int, head_dim: int, *, extra: bool = False) -> None:
         block_d = max(16, next_pow2(head_dim))
         block_h = _block_h(num_heads, block_d)
-        self.num_heads = num_heads
+        self.num_heads, self.num_tokens, self.extra = num_heads, num_tokens, extra
         self._kernel = BoundKernel(
             _merge_states_kernel,
             (num_tokens, -(-num_heads // block_h)),
             dict(
-                HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d, VARLEN=True, SCATTER=True,
-                WRITE_LSE=False,
+                HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d, VARLEN=True,
+                SCATTER=True, WRITE_LSE=False, EXTRA=extra,
             ),
         )  # fmt: skip
         self._plan_key = CachedSpecialization()
@@ -195,9 +232,18 @@ class MergeLaunch:
         counts: torch.Tensor,
         out: torch.Tensor,
         out_rows: torch.Tensor,
+        ext: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
-        so, sout, slse = o.stride(), out.stride(), lse.stride(0)
-        scalars = (self.num_heads, 0, 1, so[0], so[1], slse, sout[0], sout[1], slse)
+        """ext (with ``extra``): (ext_o [R2, H, D], ext_lse [R2, H] base 2, rows [3, num_tokens] int32):
+        token t's states there are rows ``rows[0, t] + i * rows[1, t]`` for i < ``rows[2, t]``."""
+        ext_o, ext_lse, ext_rows = ext if ext is not None else (o, lse, starts)
+        so, sout, slse, se = o.stride(), out.stride(), lse.stride(0), ext_o.stride()
+        scalars = (
+            self.num_heads, 0, 1, self.num_tokens, so[0], so[1], slse, sout[0], sout[1], slse, se[0], se[1],
+            ext_lse.stride(0),
+        )  # fmt: skip
         # Everything but ``out`` is the plan's, the same objects for every layer.
-        key = (self._plan_key(o, lse, starts, counts, out_rows), *specialization((out,)), *scalars)
-        self._kernel.launch(key, (o, lse, starts, counts, out_rows, out, lse, *scalars))
+        plan_args = (o, lse, starts, counts, out_rows, ext_o, ext_lse, ext_rows)
+        key = (self._plan_key(*plan_args), *specialization((out,)), *scalars)
+        args = (o, lse, starts, counts, out_rows, out, lse, ext_o, ext_lse, ext_rows, *scalars)
+        self._kernel.launch(key, args)

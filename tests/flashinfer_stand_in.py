@@ -1,5 +1,6 @@
-"""A stand-in for FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper`` in CUDA-graph mode, for CPU tests
-of the code that pads plans for it (``prefix_cache.attention.flashinfer_graphs``).
+"""A stand-in for FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper``, for CPU tests of the code that pads
+plans for its CUDA-graph mode (``prefix_cache.attention.flashinfer_graphs``) and of the code that splits
+shared levels into its requests (``prefix_cache.attention.flashinfer_levels``: plain mode, its base-2 LSE).
 
 It keeps the contract of FlashInfer 0.6.8's wrapper that the padding relies on, from its
 documentation and source: a fixed batch size (``len(qo_indptr_buf) - 1``) that every plan must have,
@@ -13,6 +14,8 @@ float64 from the wrapper's own index buffers, request by request.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 #: The SM count ``prefix_cache.kernels._common.num_sms`` gives CPU tensors (an H200's).
@@ -20,10 +23,14 @@ NUM_SMS = 132
 
 
 class BatchPrefillWithPagedKVCacheWrapper:
-    def __init__(self, workspace, kv_layout, *, use_cuda_graph, qo_indptr_buf, paged_kv_indptr_buf,
-                 paged_kv_indices_buf, paged_kv_last_page_len_buf, backend):  # fmt: skip
-        assert kv_layout == "NHD" and use_cuda_graph and backend in ("fa2", "auto")
-        self.workspace, self.backend = workspace, backend
+    def __init__(self, workspace, kv_layout, *, use_cuda_graph=False, qo_indptr_buf=None,
+                 paged_kv_indptr_buf=None, paged_kv_indices_buf=None, paged_kv_last_page_len_buf=None,
+                 backend="auto"):  # fmt: skip
+        assert kv_layout == "NHD" and backend in ("fa2", "fa3", "auto")
+        self.workspace, self.backend, self.graph = workspace, backend, use_cuda_graph
+        self.max_rows = None
+        if not use_cuda_graph:
+            return
         self.batch = qo_indptr_buf.shape[0] - 1
         assert (
             paged_kv_indptr_buf.shape[0] == self.batch + 1
@@ -32,11 +39,13 @@ class BatchPrefillWithPagedKVCacheWrapper:
         self.qo, self.kv, self.indices, self.last = (
             qo_indptr_buf, paged_kv_indptr_buf, paged_kv_indices_buf, paged_kv_last_page_len_buf
         )  # fmt: skip
-        self.max_rows = None
 
     def plan(self, qo_indptr, kv_indptr, kv_indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
              page_size, *, causal, sm_scale, q_data_type, kv_data_type):  # fmt: skip
         rows = int(qo_indptr[-1])
+        if not self.graph:  # plain mode: the plan's own arrays, any batch size
+            self.batch = qo_indptr.shape[0] - 1
+            self.qo, self.kv, self.indices, self.last = qo_indptr, kv_indptr, kv_indices, last_page_len
         if qo_indptr.shape[0] - 1 != self.batch:
             raise ValueError(f"batch size {qo_indptr.shape[0] - 1} != fixed {self.batch}")
         if self.max_rows is None:
@@ -58,20 +67,25 @@ class BatchPrefillWithPagedKVCacheWrapper:
             self.need = need = num_qo_heads * grid * tile * (head_dim + 1) * 4
             if need > self.workspace.numel():
                 raise RuntimeError(f"workspace of {self.workspace.numel()} bytes, {need} needed")
-        self.qo.copy_(qo_indptr)
-        self.kv.copy_(kv_indptr)
-        self.indices[: kv_indices.shape[0]].copy_(kv_indices)
-        self.last.copy_(last_page_len)
+        if self.graph:
+            self.qo.copy_(qo_indptr)
+            self.kv.copy_(kv_indptr)
+            self.indices[: kv_indices.shape[0]].copy_(kv_indices)
+            self.last.copy_(last_page_len)
         self.rows, self.page_size, self.causal, self.sm_scale = rows, page_size, causal, sm_scale
         self.heads = (num_qo_heads, num_kv_heads, head_dim)
 
-    def run(self, q, paged, out=None):
+    def run(self, q, paged, out=None, lse=None, return_lse=False):
+        """out (q's dtype), and with ``return_lse`` the base-2 LSE (float32, [rows, Hq]; ``lse`` if given)."""
         if q.shape[0] != self.rows:
             raise ValueError(f"q.shape[0] ({q.shape[0]}) does not match qo_indptr[-1] ({self.rows})")
         k_cache, v_cache = (paged[:, 0], paged[:, 1]) if isinstance(paged, torch.Tensor) else paged
         if out is None:
             out = torch.empty_like(q)
-        assert out.shape == q.shape and out.is_contiguous()
+        assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
+        if return_lse and lse is None:
+            lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        assert lse is None or (lse.shape == q.shape[:2] and lse.dtype == torch.float32)
         group = self.heads[0] // self.heads[1]
         for r in range(self.batch):
             q0, q1 = int(self.qo[r]), int(self.qo[r + 1])
@@ -81,6 +95,8 @@ class BatchPrefillWithPagedKVCacheWrapper:
                 continue
             if kv_len == 0:
                 out[q0:q1] = 0
+                if lse is not None:
+                    lse[q0:q1] = float("-inf")
                 continue
             pages = self.indices[p0:p1].long()
             k = k_cache[pages].flatten(0, 1)[:kv_len].double().repeat_interleave(group, dim=1)
@@ -92,4 +108,6 @@ class BatchPrefillWithPagedKVCacheWrapper:
                 )
                 scores = scores.masked_fill(~visible, float("-inf"))
             out[q0:q1] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v).to(out.dtype)
-        return out
+            if lse is not None:
+                lse[q0:q1] = (torch.logsumexp(scores, dim=-1) / math.log(2)).T.float()
+        return (out, lse) if return_lse else out

@@ -384,6 +384,44 @@ def test_auto_backend_routes() -> None:
             torch.testing.assert_close(mine.double(), expected, atol=1.6e-2 * scale, rtol=0, msg=route)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(32, 8, 128), (16, 4, 64)])
+@pytest.mark.parametrize("layout", ["nhd", "vllm"])
+def test_auto_backend_runs_long_shared_levels_on_fa3(hq: int, hkv: int, d: int, layout: str) -> None:
+    """On Hopper, shared levels the ``LevelRule`` admits run on FlashInfer's FA3, split by hand, and
+    merge with our kernels' unique level (route ``triton+fa3``): two shared prefixes of different
+    lengths, decodes and a prefill chunk, a request that shares nothing, both KV layouts; every output
+    row against the float64 reference."""
+    pytest.importorskip("flashinfer")
+    from prefix_cache.attention.flashinfer_levels import LevelRule
+
+    rule = LevelRule(min_rows=32, min_kv_tokens=512, min_split_tokens=256)
+    backend = create_backend("auto", level_rule=rule)
+    page_size, dtype = 16, torch.bfloat16
+    generator = torch.Generator().manual_seed(11)
+    pool = torch.randn(400, 2, page_size, hkv, d, generator=generator).to("cuda", dtype)
+    vllm = pool.transpose(0, 1).contiguous()  # [2, pages, page_size, H, D]
+    kv_cache = pool if layout == "nhd" else (vllm[0], vllm[1])
+    first, second = list(range(0, 80)), list(range(80, 112))  # 1280 and 512 tokens
+    tables = [np.array([*first, 200 + 2 * i, 201 + 2 * i]) for i in range(12)]
+    tables += [np.array([*second, 240 + i]) for i in range(10)]
+    tables.append(np.arange(300, 310))
+    kv_lens = [1280 + 20 + i for i in range(12)] + [512 + 9] * 10 + [150]
+    qo_lens = [1] * 11 + [7] + [1] * 10 + [1]
+    plan = CascadePlanner(min_shared_tokens=256, min_saved_tokens=0).plan(tables, kv_lens, qo_lens, page_size)
+    backend.plan(plan, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, q_dtype=dtype)
+    hopper = torch.cuda.get_device_capability()[0] == 9
+    assert backend.route == ("triton+fa3" if hopper else "triton")
+    q = torch.randn(sum(qo_lens), hq, d, generator=generator).to("cuda", dtype)
+    expected = reference_attention(q, pool, tables, kv_lens, qo_lens, d**-0.5)
+    scale = float(expected.abs().max())
+    for _ in range(2):  # the plan's buffers serve every layer
+        out = torch.full_like(q, float("nan"))
+        backend.run(q, kv_cache, out=out)
+        torch.testing.assert_close(out.double(), expected, atol=1.6e-2 * scale, rtol=0)
+
+
 def test_graph_keys() -> None:
     """Under a capacity, one-level plans that the routing sends to FlashInfer take its decode or
     prefill graph; every other plan, and every plan of a backend without FlashInfer, the Triton one;

@@ -193,3 +193,58 @@ def test_fixed_capacity_takes_fewer_splits_when_they_do_not_fit() -> None:
     with pytest.raises(ValueError, match="the plan needs 1 work items and 0 partial rows, over the backend's "
                        "capacity of 0 and"):  # fmt: skip
         backend.plan(plan, **HEADS)
+
+
+def _split_levels_backend(rule=None):
+    """A Triton backend whose long shared levels run on ``flashinfer_stand_in`` (float64 inside, FA3's
+    base-2 LSE), as the auto backend sets it up on Hopper."""
+    import flashinfer_stand_in
+
+    from prefix_cache.attention.flashinfer_levels import LevelRule, SharedLevelsOnFlashInfer
+
+    rule = rule or LevelRule(min_rows=4, min_kv_tokens=12, min_split_tokens=8)
+    backend = TritonBackend(device=DEVICE, kv_chunk_size=8)
+    backend._shared_levels = SharedLevelsOnFlashInfer(flashinfer_stand_in, torch.device(DEVICE), rule)
+    return backend
+
+
+def test_shared_levels_split_into_flashinfer_requests_merge_with_our_levels() -> None:
+    """Shared levels taken by ``SharedLevelsOnFlashInfer``: each group's KV cut into chunks of whole
+    pages, the group's queries repeated per chunk, the chunks' base-2 states
+    merged with the unique level's split states by the Triton merge; a request outside every shared
+    group keeps its Triton-only path. Checked against the float64 reference, and the plan that takes
+    no level (float32 q, short prefixes, causal levels) stays pure Triton."""
+    gen = torch.Generator().manual_seed(7)
+    page, hq, hkv, d = 4, 4, 2, 16
+    heads = dict(num_qo_heads=hq, num_kv_heads=hkv, head_dim=d)
+    kv_cache = torch.randn(60, 2, page, hkv, d, generator=gen).half().to(DEVICE)
+    long, short = np.arange(0, 9), np.arange(9, 12)  # 36 and 12 shared tokens
+    tables = [np.r_[long, 20 + 2 * r, 21 + 2 * r] for r in range(3)]
+    tables += [np.r_[short, 30 + r] for r in range(2)]
+    tables.append(np.array([40, 41, 42]))
+    kv_lens = [36 + 7, 36 + 5, 36 + 8, 12 + 3, 12 + 4, 10]
+    qo_lens = [1, 2, 1, 1, 1, 1]
+    plan = CascadePlanner(min_shared_tokens=1, min_saved_tokens=0).plan(tables, kv_lens, qo_lens, page)
+    assert len(plan.levels) == 2 and not plan.levels[0].causal
+    q = torch.randn(sum(qo_lens), hq, d, generator=gen).half().to(DEVICE)
+    expected = reference_attention(q, kv_cache, tables, kv_lens, qo_lens, d**-0.5)
+
+    backend = _split_levels_backend()
+    backend.plan(plan, **heads, q_dtype=torch.float16)
+    assert backend._external  # the shared level went to the stand-in, 3 chunks for the long prefix
+    # 36 tokens: 3 chunks of 3 pages x 4 query rows; 12 tokens: 1 chunk x 2 query rows.
+    assert backend._shared_levels._q_index.shape[0] == 3 * 4 + 1 * 2
+    out = torch.full_like(q, float("nan"))
+    backend.run(q, kv_cache, out=out)
+    torch.testing.assert_close(out.double(), expected, atol=3e-3, rtol=3e-3)
+
+    # Nothing taken: float32 q (FA3 takes fp16 / bf16), or a group under the rule's length.
+    from prefix_cache.attention.flashinfer_levels import LevelRule
+
+    for dtype, rule in ((torch.float32, None), (torch.float16, LevelRule(min_rows=4, min_kv_tokens=16))):
+        backend = _split_levels_backend(rule)
+        backend.plan(plan, **heads, q_dtype=dtype)
+        assert not backend._external
+        out = torch.full_like(q, float("nan"), dtype=dtype)
+        backend.run(q.to(dtype), kv_cache.to(dtype), out=out)
+        torch.testing.assert_close(out.double(), expected, atol=3e-3, rtol=3e-3)

@@ -7,7 +7,10 @@ come from the side-by-side measurements in benchmarks/results/attention_h200.md)
   on Hopper is about 2x our Triton kernel there), on FlashInfer's prefill or multi-level cascade
   wrapper; and plain one-level decode with a GQA group of at most 8, on FlashInfer's tensor-core
   decode wrapper (faster than ours on small unshared batches).
-- ``triton``: everything else, in particular every decode batch with shared levels.
+- ``triton``: everything else, in particular every decode batch with shared levels. On Hopper, a
+  long shared level with many query rows (``LevelRule``) runs there on FlashInfer's FA3 kernel, its
+  KV split by hand, merged with our kernels' other levels
+  (``prefix_cache.attention.flashinfer_levels``; ``route`` is then ``"triton+fa3"``).
 
 FlashInfer is used only where it is importable, the device is CUDA and ``plan`` was given
 ``q_dtype`` (fp16 or bf16).
@@ -29,6 +32,7 @@ import numpy as np
 import torch
 
 from prefix_cache.attention.base import AttentionBackend, check_pool, in_engine_order
+from prefix_cache.attention.flashinfer_levels import LevelRule, SharedLevelsOnFlashInfer
 from prefix_cache.attention.triton_backend import GraphCapacity, TritonBackend
 from prefix_cache.cascade import CascadePlan
 
@@ -90,6 +94,7 @@ class AutoBackend(AttentionBackend):
 
     device: CUDA device (default: the current one; CPU tensors run the Triton route in Triton's
         interpreter). capacity: see ``GraphCapacity`` and the module docstring. routing: thresholds.
+        level_rule: which shared levels of exact plans run on FlashInfer's FA3 (Hopper only).
     """
 
     name = "auto"
@@ -101,6 +106,7 @@ class AutoBackend(AttentionBackend):
         capacity: GraphCapacity | None = None,
         routing: Routing | None = None,
         workspace_bytes: int = 128 * 1024 * 1024,
+        level_rule: LevelRule | None = None,
     ) -> None:
         super().__init__()
         self._triton = TritonBackend(device, capacity=capacity)
@@ -115,6 +121,10 @@ class AutoBackend(AttentionBackend):
             except ModuleNotFoundError:
                 flashinfer = None
             self._fi_module = flashinfer
+            # FA3 is Hopper's; exact plans only (a fixed-capacity backend keeps its fixed launches).
+            hopper = torch.cuda.get_device_capability(self.device)[0] == 9
+            if flashinfer is not None and capacity is None and hopper:
+                self._triton._shared_levels = SharedLevelsOnFlashInfer(flashinfer, self.device, level_rule)
         self._workspace_bytes = workspace_bytes
         self._fi_backend = None  # FlashInferBackend, made on first use (no capacity)
         self._fi_graphs = None  # OneLevelGraphs, made on first use (with a capacity)
@@ -161,10 +171,11 @@ class AutoBackend(AttentionBackend):
             self._fi_backend.plan(plan, **heads, q_dtype=self.dtype)
         else:
             self._triton.plan(plan, **heads, q_dtype=self.dtype)
+            route = "triton+fa3" if self._triton._external else "triton"
         self.route = route
 
     def _run(self, plan, q, kv_cache, k, v, out) -> None:
-        if self.route == "triton":
+        if self.route.startswith("triton"):
             self._triton._run(plan, q, kv_cache, k, v, out)
         elif self.capacity is not None:
             check_pool(self.device, self._fi_graphs.max_page, q, k)

@@ -100,8 +100,9 @@ class _Launch:
 
 class _Sections:
     """Offsets of the int32 sections in the one device buffer of a plan: the item counts, the row
-    tables (attention: o_rows per level, q_rows; merge: out rows, first partial rows, counts), the
-    work lists, and the page ids last (so an upload can stop where the pages do)."""
+    tables (attention: o_rows per level, q_rows; merge: out rows, first partial rows, counts, and the
+    rows of states computed outside the Triton launches), the work lists, and the page ids last (so an
+    upload can stop where the pages do)."""
 
     def __init__(self, work_items: list[int], pages: int, levels: int, tokens: int) -> None:
         self.work_items, self.pages, self.levels, self.tokens = work_items, pages, levels, tokens
@@ -111,7 +112,8 @@ class _Sections:
         self.merge_rows = self.q_rows + tokens
         self.starts = self.merge_rows + tokens
         self.counts = self.starts + tokens
-        offset = self.counts + tokens
+        self.ext = self.counts + tokens
+        offset = self.ext + 3 * tokens
         self.work: list[int] = []
         for n in work_items:
             self.work.append(offset)
@@ -198,6 +200,11 @@ class TritonBackend(AttentionBackend):
         self._qk_scale = 0.0
         self._runnable = True  # False for CPU tensors outside Triton's interpreter
         self._stores: dict[str, torch.Tensor] = {}  # device buffers of exact plans (see _reuse)
+        # Levels of exact plans run outside the Triton launches (the auto backend sets a
+        # ``SharedLevelsOnFlashInfer`` on CUDA); _external: the current plan has such levels.
+        self._shared_levels = None
+        self._external = False
+        self._ext_rows = None
 
     # ------------------------------------------------------------------------------------------
     # plan
@@ -237,10 +244,11 @@ class TritonBackend(AttentionBackend):
             return tile_config(rows, group, self.head_dim, page_size)
         return next((tile for tile in tiles if rows <= tile.block_m), tiles[-1])
 
-    def _schedule(self, plan, levels, tiles, kv_chunk_size, max_splits=MAX_SPLITS):
-        """Work items of every level, one list per tile, longest first: (tiles, [work per tile],
-        splits [levels, nq]). ``tiles`` None: each level's own tile, the launches narrowest first;
-        else the fixed (narrow, wide) pair, both listed (with no items if no level uses one)."""
+    def _schedule(self, plan, levels, causal, tiles, kv_chunk_size, max_splits=MAX_SPLITS):
+        """Work items of ``levels`` (``causal`` per level), one list per tile, longest first: (tiles,
+        [work per tile], splits [levels, nq]). ``tiles`` None: each level's own tile, the launches
+        narrowest first; else the fixed (narrow, wide) pair, both listed (with no items if no level
+        uses one)."""
         group = self.num_qo_heads // self.num_kv_heads
         level_tiles = [self._tile_for(level, tiles, plan.page_size) for level in levels]
         # Narrow launches (the unique level's decode) before wide ones (shared prefixes), as the
@@ -248,7 +256,7 @@ class TritonBackend(AttentionBackend):
         # batch slower (benchmarks/NOTES.md, attempt 16).
         used = sorted(set(level_tiles), key=lambda tile: tile.block_m) if tiles is None else list(tiles)
         work, splits, item_level = levels_work(
-            levels, causal=[source.causal for source in plan.levels], tiles=level_tiles, group_size=group,
+            levels, causal=causal, tiles=level_tiles, group_size=group,
             num_kv_heads=self.num_kv_heads, sms=num_sms(self.device), kv_chunk_size=kv_chunk_size,
             max_splits=max_splits,
             row_stride=plan.num_query_tokens if self.capacity is None else self._tokens_cap,
@@ -262,11 +270,24 @@ class TritonBackend(AttentionBackend):
 
     def _prepare_exact(self, plan: CascadePlan, levels, order: np.ndarray) -> None:
         nq = plan.num_query_tokens
-        tiles, works, splits = self._schedule(plan, levels, None, self.kv_chunk_size)
+        causal = [level.causal for level in plan.levels]
+        group = self.num_qo_heads // self.num_kv_heads
+        external, ext = self._shared_levels, None
+        taken = [] if external is None else external.take(levels, causal, group, self.dtype)
+        if taken:
+            ext = external.plan(
+                [levels[i] for i in taken], [plan.levels[i].kv_last_page_len for i in taken], order,
+                plan.page_size, (self.num_qo_heads, self.num_kv_heads, self.head_dim, self.sm_scale),
+                self.dtype,
+            )  # fmt: skip
+            kept = [i for i in range(len(levels)) if i not in taken]
+            levels, causal = [levels[i] for i in kept], [causal[i] for i in kept]
+        self._external = ext is not None
+        tiles, works, splits = self._schedule(plan, levels, causal, None, self.kv_chunk_size)
         pages = sum(level.kv_indices.shape[0] for level in levels)
         sec = _Sections([w.shape[0] for w in works], pages, len(levels), nq)
         host = self._upload.image(sec.size)
-        merges, num_rows = self._fill(host, sec, works, levels, splits, order, nq)
+        merges, num_rows = self._fill(host, sec, works, levels, splits, order, nq, ext)
         self._ints = self._reuse("ints", sec.size, torch.int32)
         self._upload.copy(self._ints, sec.size)
         self._bind(sec, tiles, exact=True, merges=merges)
@@ -297,6 +318,7 @@ class TritonBackend(AttentionBackend):
     def _prepare_fixed(self, plan: CascadePlan, levels, order: np.ndarray) -> None:
         cap = self.capacity
         assert cap is not None
+        self._external = False
         nq = plan.num_query_tokens
         group = self.num_qo_heads // self.num_kv_heads
         shape = (self.num_qo_heads, self.num_kv_heads, self.head_dim, plan.page_size, self.sm_scale)
@@ -316,7 +338,9 @@ class TritonBackend(AttentionBackend):
         tiles = fixed_tile_configs(group, self.head_dim, plan.page_size)
         # Splits that do not fit the fixed buffers are cut down, not dropped: fewer, longer splits.
         for max_splits in (MAX_SPLITS, 16, 8, 4, 2, 1):
-            _, works, splits = self._schedule(plan, levels, tiles, self.kv_chunk_size, max_splits)
+            _, works, splits = self._schedule(
+                plan, levels, [lv.causal for lv in plan.levels], tiles, self.kv_chunk_size, max_splits
+            )
             items = [w.shape[0] for w in works]
             rows_per_token = splits.sum(axis=0)
             rows = int(rows_per_token.sum() - np.count_nonzero(rows_per_token == 1))
@@ -343,9 +367,20 @@ class TritonBackend(AttentionBackend):
         # Stale page ids past this plan's are never read: the copy stops at the last one used.
         self._upload.copy(self._ints, sec.kv_indices + pages)
 
-    def _fill(self, host, sec: _Sections, works, levels, splits, order, token_stride: int) -> tuple[int, int]:
+    def _fill(
+        self,
+        host,
+        sec: _Sections,
+        works,
+        levels,
+        splits,
+        order,
+        token_stride: int,
+        ext: np.ndarray | None = None,
+    ) -> tuple[int, int]:
         """Write a plan's int sections into ``host`` (work lists, counts, pages, row tables); returns
-        (merged tokens, partial rows)."""
+        (merged tokens, partial rows). ext: int32 [3, nq], the states each planned token has outside
+        the Triton launches (``SharedLevelsOnFlashInfer.plan``), or None."""
         nq = order.shape[0]
         for offset, work in zip(sec.work, works, strict=True):
             host[offset : offset + work.size] = work.reshape(-1)
@@ -356,7 +391,8 @@ class TritonBackend(AttentionBackend):
             at += level.kv_indices.shape[0]
         through = np.cumsum(splits, axis=0)  # a token's rows in the levels up to each
         rows_per_token = through[-1]
-        final = rows_per_token == 1
+        # A token's one state is its output only when a Triton launch computes it.
+        final = (rows_per_token == 1) if ext is None else (rows_per_token == 1) & (ext[2] == 0)
         rows = host[sec.o_rows : sec.o_rows + len(levels) * token_stride].reshape(len(levels), token_stride)
         host[sec.q_rows : sec.q_rows + nq] = order
         if final.all():
@@ -383,6 +419,8 @@ class TritonBackend(AttentionBackend):
         host[sec.merge_rows : sec.merge_rows + k] = order[merged]
         host[sec.starts : sec.starts + k] = starts
         host[sec.counts : sec.counts + k] = counts
+        if ext is not None:
+            host[sec.ext : sec.ext + 3 * k].reshape(3, k)[:] = ext[:, merged]
         return k, int(ends[-1])
 
     def _bind(self, sec: _Sections, tiles: list[TileConfig], *, exact: bool, merges: int) -> None:
@@ -397,6 +435,7 @@ class TritonBackend(AttentionBackend):
         self._merge_rows = ints[sec.merge_rows : sec.merge_rows + merges]
         self._starts = ints[sec.starts : sec.starts + merges]
         self._counts = ints[sec.counts : sec.counts + merges]
+        self._ext_rows = ints[sec.ext : sec.ext + 3 * merges]
         sms = num_sms(self.device)
         self._launches = []
         for i, (tile, items) in enumerate(zip(tiles, sec.work_items, strict=True)):
@@ -425,7 +464,7 @@ class TritonBackend(AttentionBackend):
         # are): making one costs ~10 µs of host time.
         key = (
             tuple((launch.num_programs, launch.tile) for launch in self._launches),
-            self._starts.shape[0], group, self.num_kv_heads, self.num_qo_heads, page_size,
+            self._starts.shape[0], self._external, group, self.num_kv_heads, self.num_qo_heads, page_size,
             self.head_dim, dtype, interpreting(),
         )  # fmt: skip
         if key == self._launch_key:
@@ -444,7 +483,9 @@ class TritonBackend(AttentionBackend):
         ]
         self._merge_launch = None
         if self._merges:
-            self._merge_launch = MergeLaunch(self._merges, self.num_qo_heads, self.head_dim)
+            self._merge_launch = MergeLaunch(
+                self._merges, self.num_qo_heads, self.head_dim, extra=self._external
+            )
         self._launch_key = key
 
     def _run(self, plan, q, kv_cache, k, v, out) -> None:
@@ -454,7 +495,12 @@ class TritonBackend(AttentionBackend):
         if not self._runnable:
             raise RuntimeError("Triton kernels need CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors")
         if q.dtype != self._bound_dtype:
+            if self._external and q.dtype != self.dtype:
+                raise ValueError(f"the plan's FlashInfer levels are planned for {self.dtype}, q is {q.dtype}")
             self._bind_launches(q.dtype, plan.page_size)
+        if self._external:
+            # FlashInfer takes the 5-D NHD tensor or a (k, v) pair of 4-D tensors, reading page strides.
+            self._shared_levels.run(q, kv_cache if isinstance(kv_cache, torch.Tensor) else (k, v))
         self.launch_levels(q, k, v, out)
         if self._merges:
             self.merge(out)
@@ -471,4 +517,9 @@ class TritonBackend(AttentionBackend):
     def merge(self, out: torch.Tensor) -> None:
         """Merge the partial states into ``out``'s engine-order rows."""
         assert self._merge_launch is not None
-        self._merge_launch(self._part_o, self._part_lse, self._starts, self._counts, out, self._merge_rows)
+        ext = None
+        if self._external:
+            ext = (self._shared_levels.o, self._shared_levels.lse, self._ext_rows)
+        self._merge_launch(
+            self._part_o, self._part_lse, self._starts, self._counts, out, self._merge_rows, ext
+        )

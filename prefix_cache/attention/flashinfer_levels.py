@@ -1,0 +1,163 @@
+"""Long shared levels on FlashInfer's Hopper prefill kernel (FA3), their KV split by hand (CUDA only).
+
+A shared level with many query rows over a long prefix is compute-bound. FlashInfer's FA3 paged
+prefill runs one program per (128 query rows, KV head) and never splits the KV: a prefix of 32768
+tokens shared by 128 decoding requests (512 rows per KV head, 8 KV heads) is 32 programs on 132 SMs,
+154 TFLOP/s on an H200. Cut into S chunks, each chunk a FlashInfer request that repeats the group's
+queries, the same level ran at 521 TFLOP/s with S = 4 (128 programs), against 277 for our Triton
+kernel (benchmarks/NOTES.md, attempt 17). The S states of every query, FlashInfer's output dtype and
+base-2 LSE, are folded in by the Triton backend's merge with the states of the plan's other levels
+(``MergeLaunch``'s ``ext``), which our kernels compute.
+
+``SharedLevelsOnFlashInfer`` is given to a ``TritonBackend`` by the auto backend; it takes the levels
+``LevelRule`` admits, plans them on one FlashInfer wrapper, and runs them before the Triton launches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from prefix_cache.kernels._common import num_sms
+from prefix_cache.kernels.work import LevelArrays
+
+#: FA3's query tile: rows of (query tokens x query heads of one KV head) per program.
+FA3_ROWS = 128
+
+
+@dataclass(frozen=True)
+class LevelRule:
+    """Which shared levels run on FlashInfer's FA3: a non-causal level whose every group (with
+    queries and KV) has at least ``min_rows`` query rows per KV head (tokens x GQA group) and
+    ``min_kv_tokens`` KV tokens. ``min_split_tokens``: the shortest chunk a group's KV is cut into.
+
+    The defaults are where a sweep on the H200 (one prefix of 2048-32768 tokens x 16-128 decoding
+    requests, 32/8 heads, d64 and d128; benchmarks/NOTES.md, attempt 17) measured the whole step
+    faster with FA3: 0.76-0.87x at 512 rows over 16384+ tokens; at 256 rows or fewer it was slower
+    everywhere (1.06-2.2x), FA3's fixed cost dominating."""
+
+    min_rows: int = 512
+    min_kv_tokens: int = 16384
+    min_split_tokens: int = 2048
+
+
+class SharedLevelsOnFlashInfer:
+    """The levels of a plan that run on FlashInfer's FA3 paged prefill, split by hand.
+
+    flashinfer: the imported module. workspace_bytes: FlashInfer's float workspace (FA3 keeps no
+    split results in it, but the wrapper needs one).
+    """
+
+    def __init__(
+        self, flashinfer, device: torch.device, rule: LevelRule | None = None, workspace_bytes: int = 16 << 20
+    ) -> None:
+        self._flashinfer = flashinfer
+        self._device = device
+        self.rule = rule or LevelRule()
+        self._workspace_bytes = workspace_bytes
+        self._wrapper = None  # made, with its workspace, at the first plan
+        self._q_index: torch.Tensor | None = None  # engine rows of q, one per FlashInfer query row
+        self._rows = 0
+        self._buffers: dict[str, torch.Tensor] = {}
+        self.o: torch.Tensor | None = None  # [rows, Hq, D] in q's dtype
+        self.lse: torch.Tensor | None = None  # [rows, Hq] float32, base 2
+
+    def take(
+        self, levels: list[LevelArrays], causal: list[bool], group_size: int, dtype: torch.dtype | None
+    ) -> list[int]:
+        """Indices of the ``levels`` (checked index arrays; ``causal`` per level) this runs for q of
+        ``dtype`` (FA3 takes fp16 and bf16, planned with their dtype)."""
+        rule = self.rule
+        taken: list[int] = []
+        if dtype not in (torch.float16, torch.bfloat16):
+            return taken
+        for i, (level, is_causal) in enumerate(zip(levels, causal, strict=True)):
+            used = (level.q_len > 0) & (level.kv_len > 0)
+            if is_causal or not used.any():
+                continue
+            if (level.q_len[used] * group_size >= rule.min_rows).all() and (
+                level.kv_len[used] >= rule.min_kv_tokens
+            ).all():
+                taken.append(i)
+        return taken
+
+    def plan(
+        self,
+        levels: list[LevelArrays],
+        kv_last_page_len: list[np.ndarray],
+        order: np.ndarray,
+        page_size: int,
+        heads: tuple[int, int, int, float],
+        dtype: torch.dtype,
+    ) -> np.ndarray:
+        """Plan ``levels`` (those ``take`` chose; their last-page lengths; ``order``: the planned
+        order's engine rows) on FlashInfer. heads: (num_qo_heads, num_kv_heads, head_dim, sm_scale).
+        Returns int32 [3, num_query_tokens]: per planned query token, its first row in ``o`` / ``lse``,
+        the rows between its states, and its number of states (0 for tokens outside the levels)."""
+        hq, hkv, head_dim, sm_scale = heads
+        group = hq // hkv
+        nq = order.shape[0]
+        ext = np.zeros((3, nq), dtype=np.int32)
+        pieces = []  # (level, group, its pages as [start, end) of kv_indices, q rows [q0, q1))
+        for level, last in zip(levels, kv_last_page_len, strict=True):
+            for g in np.flatnonzero((level.q_len > 0) & (level.kv_len > 0)):
+                pieces.append((level, last, int(g)))
+        # Chunks per group: enough programs to fill the device once (FA3 runs one wave best), each
+        # chunk at least min_split_tokens long.
+        programs = sum(-(-int(lv.q_len[g]) * group // FA3_ROWS) for lv, _, g in pieces) * hkv
+        splits = max(1, num_sms(self._device) // max(programs, 1))
+        qo, kv, indices, lasts, q_index = [0], [0], [], [], []
+        row = 0
+        for level, last, g in pieces:
+            q0, q1 = int(level.qo_indptr[g]), int(level.qo_indptr[g + 1])
+            p0, p1 = int(level.kv_indptr[g]), int(level.kv_indptr[g + 1])
+            kv_len = int(level.kv_len[g])
+            chunks = max(1, min(splits, kv_len // self.rule.min_split_tokens, p1 - p0))
+            per_chunk = -(-(p1 - p0) // chunks)
+            chunks = -(-(p1 - p0) // per_chunk)
+            for c in range(chunks):
+                a, b = p0 + c * per_chunk, min(p0 + (c + 1) * per_chunk, p1)
+                indices.append(level.kv_indices[a:b])
+                lasts.append(int(last[g]) if b == p1 else page_size)
+                kv.append(kv[-1] + b - a)
+                qo.append(qo[-1] + q1 - q0)
+                q_index.append(order[q0:q1])
+            ext[0, q0:q1] = row + np.arange(q1 - q0)
+            ext[1, q0:q1] = q1 - q0
+            ext[2, q0:q1] = chunks
+            row += chunks * (q1 - q0)
+        if self._wrapper is None:
+            workspace = torch.empty(self._workspace_bytes, dtype=torch.uint8, device=self._device)
+            wrapper = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper
+            self._wrapper = wrapper(workspace, "NHD", backend="fa3")
+        self._wrapper.plan(
+            torch.tensor(qo, dtype=torch.int32),
+            torch.tensor(kv, dtype=torch.int32),
+            torch.from_numpy(np.concatenate(indices).astype(np.int32)),
+            torch.tensor(lasts, dtype=torch.int32),
+            hq, hkv, head_dim, page_size,
+            causal=False, sm_scale=sm_scale, q_data_type=dtype, kv_data_type=dtype,
+        )  # fmt: skip
+        self._rows = row
+        self._q_index = torch.from_numpy(np.concatenate(q_index).astype(np.int64)).to(self._device)
+        self.o = self._buffer("o", (row, hq, head_dim), dtype)
+        self.lse = self._buffer("lse", (row, hq), torch.float32)
+        self._q = self._buffer("q", (row, hq, head_dim), dtype)
+        return ext
+
+    def _buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A view of a buffer kept across plans, grown when too small (kernels of an earlier step that
+        still use it run earlier on the same stream)."""
+        numel = int(np.prod(shape))
+        store = self._buffers.get(name)
+        if store is None or store.dtype != dtype or store.numel() < numel:
+            store = self._buffers[name] = torch.empty(numel, dtype=dtype, device=self._device)
+        return store[:numel].view(shape)
+
+    def run(self, q: torch.Tensor, paged) -> None:
+        """Write the planned levels' states into ``o`` and ``lse``. q: the engine's [*, Hq, D];
+        paged: the KV cache as FlashInfer takes it (the 5-D NHD tensor or a (k, v) pair)."""
+        torch.index_select(q, 0, self._q_index, out=self._q)
+        self._wrapper.run(self._q, paged, out=self.o, lse=self.lse, return_lse=True)
