@@ -5,7 +5,9 @@ heads, d128, bf16) is bound by its shared level: 128 x 4 query rows per KV head 
 32768 keys, 6.9e10 FLOPs, so its roofline bound is FLOPs / the bf16 matrix rate. This script runs
 that level alone (each request's own KV cut to its query token) on:
 
-- ours: ``CascadePlanner().plan`` + ``create_backend("triton")``, replayed in a CUDA graph;
+- ours: ``CascadePlanner().plan`` + ``create_backend("triton")`` and ``create_backend("auto")`` (which
+  on Hopper runs this level on FlashInfer's FA3, split by hand), replayed in a CUDA graph with the plan
+  fixed;
 - torch's ``scaled_dot_product_attention`` with each backend it has (flash, cuDNN, efficient), the
   four query heads of a KV head packed as rows (the same function, non-causal);
 - FlashInfer's single-request prefill (FA2 and, on Hopper, FA3) with its own GQA handling.
@@ -109,6 +111,11 @@ def main() -> None:
     out = torch.empty_like(q)
     record("ours (triton backend, the whole step)", lambda: backend.run(q, pool, out=out), ref_step,
            f"{len(plan.levels)} levels")  # fmt: skip
+    auto = create_backend("auto", device=dev)
+    auto.plan(plan, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, q_dtype=dtype)
+    out_auto = torch.empty_like(q)
+    record("ours (auto backend, the whole step)", lambda: auto.run(q, pool, out=out_auto), ref_step,
+           f"{len(plan.levels)} levels, route {auto.route}")  # fmt: skip
 
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
