@@ -213,9 +213,9 @@ def test_shared_levels_split_into_flashinfer_requests_merge_with_our_levels() ->
     pages, the group's queries repeated per chunk, the chunks' base-2 states
     merged with the unique level's split states by the Triton merge; a request outside every shared
     group keeps its Triton-only path. Checked against the float64 reference, and the plan that takes
-    no level (float32 q, short prefixes, causal levels) stays pure Triton."""
+    no level (float32 q, a head dim FA3 lacks, short prefixes) stays pure Triton."""
     gen = torch.Generator().manual_seed(7)
-    page, hq, hkv, d = 4, 4, 2, 16
+    page, hq, hkv, d = 4, 4, 2, 64
     heads = dict(num_qo_heads=hq, num_kv_heads=hkv, head_dim=d)
     kv_cache = torch.randn(60, 2, page, hkv, d, generator=gen).half().to(DEVICE)
     long, short = np.arange(0, 9), np.arange(9, 12)  # 36 and 12 shared tokens
@@ -238,13 +238,45 @@ def test_shared_levels_split_into_flashinfer_requests_merge_with_our_levels() ->
     backend.run(q, kv_cache, out=out)
     torch.testing.assert_close(out.double(), expected, atol=3e-3, rtol=3e-3)
 
-    # Nothing taken: float32 q (FA3 takes fp16 / bf16), or a group under the rule's length.
+    # Nothing taken: float32 q (FA3 takes fp16 / bf16), a group under the rule's length, head dim 16.
     from prefix_cache.attention.flashinfer_levels import LevelRule
 
-    for dtype, rule in ((torch.float32, None), (torch.float16, LevelRule(min_rows=4, min_kv_tokens=16))):
+    for dtype, rule, dim in (
+        (torch.float32, None, d),
+        (torch.float16, LevelRule(min_rows=4, min_kv_tokens=16), d),
+        (torch.float16, None, 16),
+    ):
         backend = _split_levels_backend(rule)
-        backend.plan(plan, **heads, q_dtype=dtype)
+        backend.plan(plan, **{**heads, "head_dim": dim}, q_dtype=dtype)
         assert not backend._external
-        out = torch.full_like(q, float("nan"), dtype=dtype)
-        backend.run(q.to(dtype), kv_cache.to(dtype), out=out)
-        torch.testing.assert_close(out.double(), expected, atol=3e-3, rtol=3e-3)
+        out = torch.full_like(q[..., :dim], float("nan"), dtype=dtype)
+        backend.run(q[..., :dim].to(dtype).contiguous(), kv_cache[..., :dim].to(dtype).contiguous(), out=out)
+        if dim == d:
+            torch.testing.assert_close(out.double(), expected, atol=3e-3, rtol=3e-3)
+    with pytest.raises(ValueError, match="min_split_tokens must be >= 1"):
+        LevelRule(min_split_tokens=0)
+
+
+def test_one_shared_level_of_nested_ones_runs_on_flashinfer() -> None:
+    """Two nested shared levels that both pass the rule (a prefix shared by all, then one per half):
+    one goes to the stand-in (a token's states there are one run of rows), the other stays on the
+    Triton kernels, and every output row matches the float64 reference."""
+    gen = torch.Generator().manual_seed(8)
+    page, hq, hkv, d = 4, 4, 2, 64
+    kv_cache = torch.randn(80, 2, page, hkv, d, generator=gen).half().to(DEVICE)
+    common, left, right = np.arange(0, 6), np.arange(6, 12), np.arange(12, 20)  # 24, 24 and 32 tokens
+    tables = [np.r_[common, left, 30 + r] for r in range(3)]
+    tables += [np.r_[common, right, 40 + r] for r in range(3)]
+    kv_lens, qo_lens = [48 + 3] * 3 + [56 + 2] * 3, [1] * 6
+    plan = CascadePlanner(min_shared_tokens=1, min_saved_tokens=0).plan(tables, kv_lens, qo_lens, page)
+    assert [level.causal for level in plan.levels] == [False, False, True]
+    q = torch.randn(6, hq, d, generator=gen).half().to(DEVICE)
+    backend = _split_levels_backend()
+    backend.plan(plan, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, q_dtype=torch.float16)
+    assert backend._external
+    # The second level (24 + 32 tokens per half) holds more work than the first (24 for all).
+    assert backend._shared_levels._q_index.shape[0] == 3 * 3 + 4 * 3
+    out = torch.full_like(q, float("nan"))
+    backend.run(q, kv_cache, out=out)
+    expected = reference_attention(q, kv_cache, tables, kv_lens, qo_lens, d**-0.5)
+    torch.testing.assert_close(out.double(), expected, atol=3e-3, rtol=3e-3)

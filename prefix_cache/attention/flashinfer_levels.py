@@ -9,8 +9,9 @@ kernel (benchmarks/NOTES.md, attempt 17). The S states of every query, FlashInfe
 base-2 LSE, are folded in by the Triton backend's merge with the states of the plan's other levels
 (``MergeLaunch``'s ``ext``), which our kernels compute.
 
-``SharedLevelsOnFlashInfer`` is given to a ``TritonBackend`` by the auto backend; it takes the levels
-``LevelRule`` admits, plans them on one FlashInfer wrapper, and runs them before the Triton launches.
+``SharedLevelsOnFlashInfer`` is given to a ``TritonBackend`` by the auto backend; it takes the level
+``LevelRule`` admits (one per plan), plans it on one FlashInfer wrapper, and runs it before the
+Triton launches.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from prefix_cache.kernels.work import LevelArrays
 
 #: FA3's query tile: rows of (query tokens x query heads of one KV head) per program.
 FA3_ROWS = 128
+#: Head dims FlashInfer builds its FA3 kernels for.
+FA3_HEAD_DIMS = (64, 128, 256)
 
 
 @dataclass(frozen=True)
@@ -42,9 +45,14 @@ class LevelRule:
     min_kv_tokens: int = 16384
     min_split_tokens: int = 2048
 
+    def __post_init__(self) -> None:
+        for name in ("min_rows", "min_kv_tokens", "min_split_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"LevelRule.{name} must be >= 1, got {getattr(self, name)}")
+
 
 class SharedLevelsOnFlashInfer:
-    """The levels of a plan that run on FlashInfer's FA3 paged prefill, split by hand.
+    """The level of a plan that runs on FlashInfer's FA3 paged prefill, split by hand.
 
     flashinfer: the imported module. workspace_bytes: FlashInfer's float workspace (FA3 keeps no
     split results in it, but the wrapper needs one).
@@ -65,62 +73,61 @@ class SharedLevelsOnFlashInfer:
         self.lse: torch.Tensor | None = None  # [rows, Hq] float32, base 2
 
     def take(
-        self, levels: list[LevelArrays], causal: list[bool], group_size: int, dtype: torch.dtype | None
-    ) -> list[int]:
-        """Indices of the ``levels`` (checked index arrays; ``causal`` per level) this runs for q of
-        ``dtype`` (FA3 takes fp16 and bf16, planned with their dtype)."""
+        self, levels: list[LevelArrays], causal: list[bool], group_size: int, head_dim: int, dtype
+    ) -> int | None:
+        """The index of the level of ``levels`` (checked index arrays; ``causal`` per level) this
+        runs for q of ``dtype`` and ``head_dim``, or None. One level at most: a token's states here
+        are one run of rows (``plan``'s table), and the last level is left to the Triton kernels,
+        which write every token's own KV. Among the levels the rule admits, the one with the most
+        query x KV work. FA3 takes fp16 and bf16, and the head dims of ``FA3_HEAD_DIMS``."""
+        if dtype not in (torch.float16, torch.bfloat16) or head_dim not in FA3_HEAD_DIMS:
+            return None
         rule = self.rule
-        taken: list[int] = []
-        if dtype not in (torch.float16, torch.bfloat16):
-            return taken
-        for i, (level, is_causal) in enumerate(zip(levels, causal, strict=True)):
+        best, best_work = None, 0
+        for i, (level, is_causal) in enumerate(zip(levels[:-1], causal[:-1], strict=True)):
             used = (level.q_len > 0) & (level.kv_len > 0)
             if is_causal or not used.any():
                 continue
-            if (level.q_len[used] * group_size >= rule.min_rows).all() and (
-                level.kv_len[used] >= rule.min_kv_tokens
-            ).all():
-                taken.append(i)
-        return taken
+            q_len, kv_len = level.q_len[used], level.kv_len[used]
+            if (q_len * group_size >= rule.min_rows).all() and (kv_len >= rule.min_kv_tokens).all():
+                work = int((q_len * kv_len).sum())
+                if work > best_work:
+                    best, best_work = i, work
+        return best
 
     def plan(
         self,
-        levels: list[LevelArrays],
-        kv_last_page_len: list[np.ndarray],
+        level: LevelArrays,
+        kv_last_page_len: np.ndarray,
         order: np.ndarray,
         page_size: int,
         heads: tuple[int, int, int, float],
         dtype: torch.dtype,
     ) -> np.ndarray:
-        """Plan ``levels`` (those ``take`` chose; their last-page lengths; ``order``: the planned
+        """Plan ``level`` (the one ``take`` chose; its last-page lengths; ``order``: the planned
         order's engine rows) on FlashInfer. heads: (num_qo_heads, num_kv_heads, head_dim, sm_scale).
         Returns int32 [3, num_query_tokens]: per planned query token, its first row in ``o`` / ``lse``,
-        the rows between its states, and its number of states (0 for tokens outside the levels)."""
+        the rows between its states, and its number of states (0 for tokens without KV there)."""
         hq, hkv, head_dim, sm_scale = heads
         group = hq // hkv
-        nq = order.shape[0]
-        ext = np.zeros((3, nq), dtype=np.int32)
-        pieces = []  # (level, group, its pages as [start, end) of kv_indices, q rows [q0, q1))
-        for level, last in zip(levels, kv_last_page_len, strict=True):
-            for g in np.flatnonzero((level.q_len > 0) & (level.kv_len > 0)):
-                pieces.append((level, last, int(g)))
+        ext = np.zeros((3, order.shape[0]), dtype=np.int32)
+        groups = np.flatnonzero((level.q_len > 0) & (level.kv_len > 0))
         # Chunks per group: enough programs to fill the device once (FA3 runs one wave best), each
         # chunk at least min_split_tokens long.
-        programs = sum(-(-int(lv.q_len[g]) * group // FA3_ROWS) for lv, _, g in pieces) * hkv
+        programs = int((-(-level.q_len[groups] * group // FA3_ROWS)).sum()) * hkv
         splits = max(1, num_sms(self._device) // max(programs, 1))
         qo, kv, indices, lasts, q_index = [0], [0], [], [], []
         row = 0
-        for level, last, g in pieces:
+        for g in groups.tolist():
             q0, q1 = int(level.qo_indptr[g]), int(level.qo_indptr[g + 1])
             p0, p1 = int(level.kv_indptr[g]), int(level.kv_indptr[g + 1])
-            kv_len = int(level.kv_len[g])
-            chunks = max(1, min(splits, kv_len // self.rule.min_split_tokens, p1 - p0))
+            chunks = max(1, min(splits, int(level.kv_len[g]) // self.rule.min_split_tokens, p1 - p0))
             per_chunk = -(-(p1 - p0) // chunks)
             chunks = -(-(p1 - p0) // per_chunk)
             for c in range(chunks):
                 a, b = p0 + c * per_chunk, min(p0 + (c + 1) * per_chunk, p1)
                 indices.append(level.kv_indices[a:b])
-                lasts.append(int(last[g]) if b == p1 else page_size)
+                lasts.append(int(kv_last_page_len[g]) if b == p1 else page_size)
                 kv.append(kv[-1] + b - a)
                 qo.append(qo[-1] + q1 - q0)
                 q_index.append(order[q0:q1])

@@ -273,15 +273,13 @@ class TritonBackend(AttentionBackend):
         causal = [level.causal for level in plan.levels]
         group = self.num_qo_heads // self.num_kv_heads
         external, ext = self._shared_levels, None
-        taken = [] if external is None else external.take(levels, causal, group, self.dtype)
-        if taken:
+        taken = None if external is None else external.take(levels, causal, group, self.head_dim, self.dtype)
+        if taken is not None:
             ext = external.plan(
-                [levels[i] for i in taken], [plan.levels[i].kv_last_page_len for i in taken], order,
-                plan.page_size, (self.num_qo_heads, self.num_kv_heads, self.head_dim, self.sm_scale),
-                self.dtype,
+                levels[taken], plan.levels[taken].kv_last_page_len, order, plan.page_size,
+                (self.num_qo_heads, self.num_kv_heads, self.head_dim, self.sm_scale), self.dtype,
             )  # fmt: skip
-            kept = [i for i in range(len(levels)) if i not in taken]
-            levels, causal = [levels[i] for i in kept], [causal[i] for i in kept]
+            levels, causal = levels[:taken] + levels[taken + 1 :], causal[:taken] + causal[taken + 1 :]
         self._external = ext is not None
         tiles, works, splits = self._schedule(plan, levels, causal, None, self.kv_chunk_size)
         pages = sum(level.kv_indices.shape[0] for level in levels)
