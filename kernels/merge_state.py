@@ -213,7 +213,7 @@ class MergeLaunch:
     def __init__(self, num_tokens: int, num_heads: int, head_dim: int, *, extra: bool = False) -> None:
         block_d = max(16, next_pow2(head_dim))
         block_h = _block_h(num_heads, block_d)
-        self.num_heads, self.num_tokens, self.extra = num_heads, num_tokens, extra
+        self.num_heads, self.num_tokens = num_heads, num_tokens
         self._kernel = BoundKernel(
             _merge_states_kernel,
             (num_tokens, -(-num_heads // block_h)),

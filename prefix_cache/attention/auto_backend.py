@@ -33,6 +33,7 @@ import torch
 
 from prefix_cache.attention.base import AttentionBackend, check_pool, in_engine_order
 from prefix_cache.attention.flashinfer_levels import LevelRule, SharedLevelsOnFlashInfer
+from prefix_cache.attention.kv_layout import flashinfer_paged
 from prefix_cache.attention.triton_backend import GraphCapacity, TritonBackend
 from prefix_cache.cascade import CascadePlan
 
@@ -179,8 +180,8 @@ class AutoBackend(AttentionBackend):
             self._triton._run(plan, q, kv_cache, k, v, out)
         elif self.capacity is not None:
             check_pool(self.device, self._fi_graphs.max_page, q, k)
-            # FlashInfer takes the 5-D NHD tensor or a (k, v) pair of 4-D tensors, reading page strides.
-            paged = kv_cache if isinstance(kv_cache, torch.Tensor) else (k, v)
-            self._fi_graphs.run(self._graph_key.removeprefix("flashinfer-"), q, paged, out)
+            self._fi_graphs.run(
+                self._graph_key.removeprefix("flashinfer-"), q, flashinfer_paged(kv_cache, k, v), out
+            )
         else:
             self._fi_backend._run(plan, q, kv_cache, k, v, out)

@@ -182,6 +182,19 @@ def check_pool(device: torch.device, max_page: int, q: torch.Tensor, k: torch.Te
         raise ValueError(f"the plan references page {max_page}, the KV cache has {k.shape[0]} pages")
 
 
+def reused_buffer(
+    stores: dict[str, torch.Tensor], name: str, numel: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """The first ``numel`` elements of ``stores[name]``, a device buffer kept across plans and remade
+    (doubling) when too small or of another dtype: a step's plan allocates nothing in the steady
+    state. Kernels of the previous step that still read it run earlier on the same stream."""
+    store = stores.get(name)
+    if store is None or store.dtype != dtype or store.numel() < numel:
+        grown = 0 if store is None or store.dtype != dtype else 2 * store.numel()
+        store = stores[name] = torch.empty(max(numel, grown), dtype=dtype, device=device)
+    return store[:numel]
+
+
 def in_engine_order(query_order: np.ndarray) -> bool:
     """True when planned query token t is the engine's token t for every t (``CascadePlanner``'s
     one-level plans): a backend then passes q and its output through without a gather or scatter."""

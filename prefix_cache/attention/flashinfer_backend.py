@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from prefix_cache.attention.base import AttentionBackend, in_engine_order, to_planned_order
+from prefix_cache.attention.kv_layout import flashinfer_paged
 from prefix_cache.cascade import CascadeLevel, CascadePlan
 
 _FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
@@ -140,8 +141,7 @@ class FlashInferBackend(AttentionBackend):
             return
         if self._planned_dtype != q.dtype:
             self._plan_flashinfer(q.dtype, plan.page_size)
-        # FlashInfer takes the 5-D NHD tensor or a (k, v) pair of 4-D tensors, reading page strides.
-        paged = kv_cache if isinstance(kv_cache, torch.Tensor) else (k, v)
+        paged = flashinfer_paged(kv_cache, k, v)
         q_planned = q.contiguous() if self._in_order else to_planned_order(q, self._query_order)
         # One-level wrappers write an in-order, contiguous ``out`` themselves: no copy launch.
         direct = self._in_order and len(self._levels) == 1 and out.is_contiguous()

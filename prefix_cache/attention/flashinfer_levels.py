@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from prefix_cache.attention.base import reused_buffer
 from prefix_cache.kernels._common import num_sms
 from prefix_cache.kernels.work import LevelArrays
 
@@ -67,7 +68,6 @@ class SharedLevelsOnFlashInfer:
         self._workspace_bytes = workspace_bytes
         self._wrapper = None  # made, with its workspace, at the first plan
         self._q_index: torch.Tensor | None = None  # engine rows of q, one per FlashInfer query row
-        self._rows = 0
         self._buffers: dict[str, torch.Tensor] = {}
         self.o: torch.Tensor | None = None  # [rows, Hq, D] in q's dtype
         self.lse: torch.Tensor | None = None  # [rows, Hq] float32, base 2
@@ -147,21 +147,12 @@ class SharedLevelsOnFlashInfer:
             hq, hkv, head_dim, page_size,
             causal=False, sm_scale=sm_scale, q_data_type=dtype, kv_data_type=dtype,
         )  # fmt: skip
-        self._rows = row
         self._q_index = torch.from_numpy(np.concatenate(q_index).astype(np.int64)).to(self._device)
-        self.o = self._buffer("o", (row, hq, head_dim), dtype)
-        self.lse = self._buffer("lse", (row, hq), torch.float32)
-        self._q = self._buffer("q", (row, hq, head_dim), dtype)
+        buffers, device = self._buffers, self._device
+        self.o = reused_buffer(buffers, "o", row * hq * head_dim, dtype, device).view(row, hq, head_dim)
+        self.lse = reused_buffer(buffers, "lse", row * hq, torch.float32, device).view(row, hq)
+        self._q = reused_buffer(buffers, "q", row * hq * head_dim, dtype, device).view(row, hq, head_dim)
         return ext
-
-    def _buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A view of a buffer kept across plans, grown when too small (kernels of an earlier step that
-        still use it run earlier on the same stream)."""
-        numel = int(np.prod(shape))
-        store = self._buffers.get(name)
-        if store is None or store.dtype != dtype or store.numel() < numel:
-            store = self._buffers[name] = torch.empty(numel, dtype=dtype, device=self._device)
-        return store[:numel].view(shape)
 
     def run(self, q: torch.Tensor, paged) -> None:
         """Write the planned levels' states into ``o`` and ``lse``. q: the engine's [*, Hq, D];

@@ -12,6 +12,12 @@ import torch
 KVCache = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 
+def flashinfer_paged(kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor) -> KVCache:
+    """The KV cache as FlashInfer's paged wrappers take it: the 5-D NHD tensor as given, else the
+    ``(k, v)`` views of ``split_kv_cache`` (FlashInfer reads their page strides)."""
+    return kv_cache if isinstance(kv_cache, torch.Tensor) else (k, v)
+
+
 def split_kv_cache(kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V as two ``[num_pages, page_size, num_kv_heads, head_dim]`` views (no copy).
 

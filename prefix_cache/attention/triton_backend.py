@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from prefix_cache.attention.base import AttentionBackend, check_pool
+from prefix_cache.attention.base import AttentionBackend, check_pool, reused_buffer
+from prefix_cache.attention.kv_layout import flashinfer_paged
 from prefix_cache.cascade import CascadePlan
 from prefix_cache.kernels._common import LOG2E, interpreting, num_sms
 from prefix_cache.kernels.attention import AttentionLaunch
@@ -296,14 +297,8 @@ class TritonBackend(AttentionBackend):
         self._part_lse = self._reuse("lse", num_rows * heads).view(num_rows, heads)
 
     def _reuse(self, name: str, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The first ``numel`` elements of a device buffer kept across exact plans, grown (doubling)
-        when too small: a step's plan allocates nothing in the steady state. Kernels of the previous
-        step that still read it run earlier on the same stream."""
-        store = self._stores.get(name)
-        if store is None or store.numel() < numel:
-            size = max(numel, 0 if store is None else 2 * store.numel())
-            store = self._stores[name] = torch.empty(size, dtype=dtype, device=self.device)
-        return store[:numel]
+        """An exact plan's device buffer (``reused_buffer``)."""
+        return reused_buffer(self._stores, name, numel, dtype, self.device)
 
     def _float_buffer(self, shape: tuple[int, ...]) -> torch.Tensor:
         return torch.empty(shape, dtype=torch.float32, device=self.device)
@@ -497,8 +492,7 @@ class TritonBackend(AttentionBackend):
                 raise ValueError(f"the plan's FlashInfer levels are planned for {self.dtype}, q is {q.dtype}")
             self._bind_launches(q.dtype, plan.page_size)
         if self._external:
-            # FlashInfer takes the 5-D NHD tensor or a (k, v) pair of 4-D tensors, reading page strides.
-            self._shared_levels.run(q, kv_cache if isinstance(kv_cache, torch.Tensor) else (k, v))
+            self._shared_levels.run(q, flashinfer_paged(kv_cache, k, v))
         self.launch_levels(q, k, v, out)
         if self._merges:
             self.merge(out)
