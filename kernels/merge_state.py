@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from prefix_cache.kernels._common import check_runnable, next_pow2
+from prefix_cache.kernels._common import check_runnable, next_pow2, num_sms
 from prefix_cache.kernels._launch import BoundKernel, CachedSpecialization, specialization
 
 
@@ -121,9 +121,20 @@ def _merge_states_kernel(
         tl.store(out_lse_ptr + out_row * stride_out_lse_row + offs_h, lse, mask=h_ok & keep)
 
 
-def _block_h(num_heads: int, block_d: int) -> int:
-    # About 4K fp32 accumulator elements per program: all heads of a token for head_dim <= 128.
-    return min(next_pow2(num_heads), max(1, 4096 // block_d))
+#: A merge launch cuts a token's heads into tiles until it has this many programs per SM (or its
+#: tiles reach ``MIN_BLOCK_H`` heads): few tokens with many partial rows each are a chain of
+#: dependent loads per program, and one program per token leaves most SMs idle.
+PROGRAMS_PER_SM = 2
+MIN_BLOCK_H = 4
+
+
+def _block_h(num_tokens: int, num_heads: int, block_d: int, sms: int) -> int:
+    """Heads per merge program: about 4K fp32 accumulator elements (all heads of a token for
+    head_dim <= 128), fewer while the launch has under ``PROGRAMS_PER_SM`` programs per SM."""
+    block_h = min(next_pow2(num_heads), max(1, 4096 // block_d))
+    while block_h > MIN_BLOCK_H and num_tokens * -(-num_heads // block_h) < PROGRAMS_PER_SM * sms:
+        block_h //= 2
+    return block_h
 
 
 def merge_states(
@@ -150,7 +161,7 @@ def merge_states(
     if n > 1 and (o.stride(0) != t * o.stride(1) or lse.stride(0) != t * lse.stride(1)):
         o, lse = o.contiguous(), lse.contiguous()
     block_d = max(16, next_pow2(d))
-    block_h = _block_h(h, block_d)
+    block_h = _block_h(t, h, block_d, num_sms(o.device))
     _merge_states_kernel[(t, triton.cdiv(h, block_h))](
         o, lse, o, o, o, out, out_lse, o, lse, o,
         h, n, t, t,
@@ -190,7 +201,7 @@ def merge_states_varlen(
     if t == 0 or h == 0:
         return
     block_d = max(16, next_pow2(d))
-    block_h = _block_h(h, block_d)
+    block_h = _block_h(t, h, block_d, num_sms(o.device))
     lse_out = out_lse if out_lse is not None else lse
     _merge_states_kernel[(t, triton.cdiv(h, block_h))](
         o, lse, starts, counts, out_rows if out_rows is not None else starts, out, lse_out, o, lse, starts,
@@ -206,13 +217,15 @@ class MergeLaunch:
     """``merge_states_varlen`` with ``out_rows`` and without its checks (the triton backend checks once
     per plan), its grid and constants fixed when made: one program per query token and tile of heads.
 
-    extra: the tokens also have states in a second pair of buffers (another kernel's output in its
+    sms: the device's SMs (the tile of heads shrinks while the grid would leave them idle). extra: the tokens also have states in a second pair of buffers (another kernel's output in its
     own dtype and base-2 LSE; see ``__call__``'s ``ext``).
     """
 
-    def __init__(self, num_tokens: int, num_heads: int, head_dim: int, *, extra: bool = False) -> None:
+    def __init__(
+        self, num_tokens: int, num_heads: int, head_dim: int, *, sms: int, extra: bool = False
+    ) -> None:
         block_d = max(16, next_pow2(head_dim))
-        block_h = _block_h(num_heads, block_d)
+        block_h = _block_h(num_tokens, num_heads, block_d, sms)
         self.num_heads, self.num_tokens = num_heads, num_tokens
         self._kernel = BoundKernel(
             _merge_states_kernel,

@@ -184,7 +184,7 @@ def test_attention_launch_keys_every_argument() -> None:
 def test_merge_launch_keys_every_argument() -> None:
     from prefix_cache.kernels.merge_state import MergeLaunch
 
-    launch = MergeLaunch(num_tokens=3, num_heads=2, head_dim=16)
+    launch = MergeLaunch(num_tokens=3, num_heads=2, head_dim=16, sms=132)
     starts, counts, out_rows = (torch.zeros(3, dtype=torch.int32) for _ in range(3))
     out = torch.zeros(3, 2, 16, dtype=torch.float16)
     args = [torch.zeros(6, 2, 16), torch.zeros(6, 2), starts, counts, out, out_rows]

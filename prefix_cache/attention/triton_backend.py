@@ -477,7 +477,7 @@ class TritonBackend(AttentionBackend):
         self._merge_launch = None
         if self._merges:
             self._merge_launch = MergeLaunch(
-                self._merges, self.num_qo_heads, self.head_dim, extra=self._external
+                self._merges, self.num_qo_heads, self.head_dim, sms=num_sms(self.device), extra=self._external
             )
         self._launch_key = key
 
