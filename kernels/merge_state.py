@@ -217,8 +217,9 @@ class MergeLaunch:
     """``merge_states_varlen`` with ``out_rows`` and without its checks (the triton backend checks once
     per plan), its grid and constants fixed when made: one program per query token and tile of heads.
 
-    sms: the device's SMs (the tile of heads shrinks while the grid would leave them idle). extra: the tokens also have states in a second pair of buffers (another kernel's output in its
-    own dtype and base-2 LSE; see ``__call__``'s ``ext``).
+    sms: the device's SMs (the tile of heads shrinks while the grid would leave them idle). extra:
+    the tokens also have states in a second pair of buffers (another kernel's output in its own
+    dtype and base-2 LSE; see ``__call__``'s ``ext``).
     """
 
     def __init__(

@@ -482,19 +482,24 @@ def test_graph_keys() -> None:
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("layout", ["contiguous", "strided"])
 def test_auto_backend_graphs_replay_across_plans_of_each_key(layout: str) -> None:
-    """With a capacity, the auto backend's three launch sets (FlashInfer decode, FlashInfer prefill,
-    our Triton cascade) each replay from one CUDA graph, captured at its key's first plan, after later
-    plans of that key with other batch sizes, lengths and query counts: every replay against the
+    """With a capacity, the auto backend's four launch sets (FlashInfer decode, FlashInfer prefill,
+    our Triton cascade, and on Hopper that cascade with its long shared level on FA3) each replay from
+    one CUDA graph, captured at its key's first plan, after later plans of that key with other batch
+    sizes, prefix lengths and query counts: every replay against the
     float64 reference, the padding rows as documented, into a contiguous ``out`` and a strided one. A plan
     over the capacity raises and leaves the backend serving plans that fit."""
     pytest.importorskip("flashinfer")
     from prefix_cache.attention.auto_backend import Routing
+    from prefix_cache.attention.flashinfer_levels import LevelRule
     from prefix_cache.attention.triton_backend import GraphCapacity
 
     page_size, hq, hkv, d, dtype, num_pages = 16, 32, 8, 128, torch.bfloat16, 900
     capacity = GraphCapacity(max_query_tokens=48, max_pages=640, max_levels=2)
     backend = create_backend(
-        "auto", capacity=capacity, routing=Routing(prefill_min_tokens=8, prefill_tokens=16)
+        "auto",
+        capacity=capacity,
+        routing=Routing(prefill_min_tokens=8, prefill_tokens=16),
+        level_rule=LevelRule(min_rows=32, min_kv_tokens=1024, min_split_tokens=256),
     )
     heads = dict(num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, q_dtype=dtype)
     rng = np.random.default_rng(5 if layout == "contiguous" else 6)
@@ -510,6 +515,12 @@ def test_auto_backend_graphs_replay_across_plans_of_each_key(layout: str) -> Non
             tables = [np.array([*shared, free.pop()]) for _ in range(n)]
             kv_lens = [512 + int(rng.integers(1, page_size + 1)) for _ in range(n)]
             return tables, kv_lens, [1] * n
+        if kind == "long":  # 1024-4096 shared tokens, 8-12 decodes: 32-48 query rows per KV head
+            shared = [free.pop() for _ in range(int(rng.integers(64, 257)))]
+            n = int(rng.integers(8, 13))
+            tables = [np.array([*shared, free.pop()]) for _ in range(n)]
+            kv_lens = [len(shared) * page_size + int(rng.integers(1, page_size + 1)) for _ in range(n)]
+            return tables, kv_lens, [1] * n
         n = int(rng.integers(1, 13)) if kind == "decode" else int(rng.integers(1, 3))
         qo_lens = [1] * n if kind == "decode" else [int(rng.integers(16, 24)) for _ in range(n)]
         kv_lens = [int(rng.integers(qo, 400)) for qo in qo_lens]
@@ -522,7 +533,13 @@ def test_auto_backend_graphs_replay_across_plans_of_each_key(layout: str) -> Non
     else:
         out = torch.zeros(capacity.max_query_tokens, hq, 2 * d, dtype=dtype, device="cuda")[..., :d]
     graphs: dict[str, torch.cuda.CUDAGraph] = {}
-    keys = {"decode": "flashinfer-decode", "prefill": "flashinfer-prefill", "shared": "triton"}
+    hopper = torch.cuda.get_device_capability()[0] == 9
+    keys = {
+        "decode": "flashinfer-decode",
+        "prefill": "flashinfer-prefill",
+        "shared": "triton",
+        "long": "triton+fa3" if hopper else "triton",
+    }
     replayed: dict[str, set[int]] = {}
 
     def step(kind: str) -> None:
@@ -550,7 +567,7 @@ def test_auto_backend_graphs_replay_across_plans_of_each_key(layout: str) -> Non
         torch.testing.assert_close(got, expected, atol=1.6e-2 * float(expected.abs().max()), rtol=0, msg=key)
         replayed.setdefault(key, set()).add(nq)
 
-    for kind in ["decode", "prefill", "shared"] * 4:
+    for kind in ["decode", "prefill", "shared", "long"] * 4:
         step(kind)
     assert all(len(counts) >= 2 for counts in replayed.values()), replayed  # other row counts replayed
     many = [np.array([i]) for i in range(capacity.max_query_tokens + 1)]

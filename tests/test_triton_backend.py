@@ -281,3 +281,52 @@ def test_one_shared_level_of_nested_ones_runs_on_flashinfer() -> None:
     backend.run(q, kv_cache, out=out)
     expected = reference_attention(q, kv_cache, tables, kv_lens, qo_lens, d**-0.5)
     torch.testing.assert_close(out.double(), expected, atol=3e-3, rtol=3e-3)
+
+
+def test_fixed_capacity_runs_a_shared_level_on_flashinfer_graph_mode() -> None:
+    """Under a capacity, the level the rule admits runs on the stand-in's CUDA-graph mode: every plan
+    padded to the one fixed batch and row count (the stand-in refuses any other), the same device
+    buffers across plans (what a replayed graph reads), ``graph_key`` telling the two launch
+    sequences apart, and each plan's output right against the float64 reference, also after a plan
+    that takes no level and back."""
+    import flashinfer_stand_in
+
+    from prefix_cache.attention.flashinfer_levels import LevelRule, SharedLevelsOnFlashInfer
+
+    gen = torch.Generator().manual_seed(9)
+    page, hq, hkv, d = 4, 4, 2, 64
+    kv_cache = torch.randn(90, 2, page, hkv, d, generator=gen).half().to(DEVICE)
+    planner = CascadePlanner(min_shared_tokens=1, min_saved_tokens=0)
+    long, short, lone = np.arange(9), np.arange(9, 12), np.array([40, 41])
+    first, second, brief = np.arange(50, 60), np.arange(60, 67), np.arange(80, 82)
+    batches = {
+        # one long and one short shared prefix, and a request alone
+        "a": ([np.r_[long, 20 + r] for r in range(3)] + [np.r_[short, 30 + r] for r in range(2)] + [lone],
+              [36 + 3, 36 + 2, 36 + 4, 12 + 1, 12 + 3, 7], [1, 2, 1, 1, 1, 1]),
+        # two long prefixes, more query tokens
+        "b": ([np.r_[first, 70 + r] for r in range(2)] + [np.r_[second, 75 + r] for r in range(2)],
+              [40 + 2, 40 + 4, 28 + 3, 28 + 1], [1, 3, 2, 2]),
+        # nothing shared long enough for the rule
+        "c": ([np.r_[brief, 84 + r] for r in range(3)], [8 + 2, 8 + 3, 8 + 1], [1, 1, 2]),
+    }  # fmt: skip
+    capacity = GraphCapacity(max_query_tokens=8, max_pages=40)
+    backend = TritonBackend(DEVICE, kv_chunk_size=8, capacity=capacity)
+    rule = LevelRule(min_rows=4, min_kv_tokens=12, min_split_tokens=8)
+    fa3 = backend._shared_levels = SharedLevelsOnFlashInfer(
+        flashinfer_stand_in, torch.device(DEVICE), rule, capacity=capacity
+    )
+    buffers = None
+    for name in ("a", "b", "c", "a"):
+        tables, kv_lens, qo_lens = batches[name]
+        plan = planner.plan(tables, kv_lens, qo_lens, page)
+        backend.plan(plan, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, q_dtype=torch.float16)
+        assert backend.graph_key == ("triton" if name == "c" else "triton+fa3")
+        if name != "c":
+            now = [t.data_ptr() for t in (fa3.o, fa3.lse, fa3._q, fa3._q_index, fa3._wrapper.qo)]
+            assert buffers in (None, now)
+            buffers = now
+        q = torch.randn(sum(qo_lens), hq, d, generator=gen).half().to(DEVICE)
+        out = torch.full_like(q, float("nan"))
+        backend.run(q, kv_cache, out=out)
+        expected = reference_attention(q, kv_cache, tables, kv_lens, qo_lens, d**-0.5)
+        torch.testing.assert_close(out.double(), expected, atol=3e-3, rtol=3e-3)

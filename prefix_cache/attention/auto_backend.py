@@ -18,10 +18,11 @@ FlashInfer is used only where it is importable, the device is CUDA and ``plan`` 
 With a ``GraphCapacity`` (``run`` captured in CUDA graphs and replayed across plans), a causal plan
 of one level whose requests all have KV, that the rule sends to FlashInfer, runs on FlashInfer's
 CUDA-graph prefill wrappers (``prefix_cache.attention.flashinfer_graphs``: FA2 for decode, FA3 on
-Hopper for prefill), and every other plan on the fixed-capacity Triton backend. Those are three
-fixed sequences of launches, one graph each: ``graph_key`` names the current plan's, and a graph
-captured under one key replays after any later plan with the same key. An engine keeps a graph per
-(batch bucket, key).
+Hopper for prefill), and every other plan on the fixed-capacity Triton backend, on Hopper with its
+``LevelRule`` level on FA3's CUDA-graph mode. Those are four fixed sequences of launches
+(``"flashinfer-decode"``, ``"flashinfer-prefill"``, ``"triton"``, ``"triton+fa3"``), one graph each:
+``graph_key`` names the current plan's, and a graph captured under one key replays after any later
+plan with the same key. An engine keeps a graph per (batch bucket, key).
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ class AutoBackend(AttentionBackend):
 
     device: CUDA device (default: the current one; CPU tensors run the Triton route in Triton's
         interpreter). capacity: see ``GraphCapacity`` and the module docstring. routing: thresholds.
-        level_rule: which shared levels of exact plans run on FlashInfer's FA3 (Hopper only).
+        level_rule: which shared levels run on FlashInfer's FA3 (Hopper only).
     """
 
     name = "auto"
@@ -122,10 +123,12 @@ class AutoBackend(AttentionBackend):
             except ModuleNotFoundError:
                 flashinfer = None
             self._fi_module = flashinfer
-            # FA3 is Hopper's; exact plans only (a fixed-capacity backend keeps its fixed launches).
+            # FA3 is Hopper's.
             hopper = torch.cuda.get_device_capability(self.device)[0] == 9
-            if flashinfer is not None and capacity is None and hopper:
-                self._triton._shared_levels = SharedLevelsOnFlashInfer(flashinfer, self.device, level_rule)
+            if flashinfer is not None and hopper:
+                self._triton._shared_levels = SharedLevelsOnFlashInfer(
+                    flashinfer, self.device, level_rule, capacity=capacity
+                )
         self._workspace_bytes = workspace_bytes
         self._fi_backend = None  # FlashInferBackend, made on first use (no capacity)
         self._fi_graphs = None  # OneLevelGraphs, made on first use (with a capacity)
@@ -151,6 +154,7 @@ class AutoBackend(AttentionBackend):
             key = choose_graph_key(plan, group, self.routing) if flashinfer else "triton"
             if key == "triton":
                 self._triton.plan(plan, **heads, q_dtype=self.dtype)
+                key = self._triton.graph_key
             else:
                 if self._fi_graphs is None:
                     from prefix_cache.attention.flashinfer_graphs import OneLevelGraphs
@@ -161,7 +165,7 @@ class AutoBackend(AttentionBackend):
                 kind = key.removeprefix("flashinfer-")
                 self._fi_graphs.plan(kind, plan.levels[0], plan.page_size, heads, self.dtype)
             self._graph_key = key
-            self.route = "triton" if key == "triton" else "flashinfer"
+            self.route = key if key.startswith("triton") else "flashinfer"
             return
         route = choose_route(plan, group, self.routing) if flashinfer else "triton"
         if route == "flashinfer":

@@ -11,18 +11,24 @@ base-2 LSE, are folded in by the Triton backend's merge with the states of the p
 
 ``SharedLevelsOnFlashInfer`` is given to a ``TritonBackend`` by the auto backend; it takes the level
 ``LevelRule`` admits (one per plan), plans it on one FlashInfer wrapper, and runs it before the
-Triton launches.
+Triton launches. Under a ``GraphCapacity`` the wrapper is FlashInfer's CUDA-graph mode over fixed
+index buffers, every plan padded to one batch of requests and one count of query rows (as
+``flashinfer_graphs`` pads one-level plans), so a captured ``run`` replays after any later plan.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from prefix_cache.attention.base import reused_buffer
 from prefix_cache.kernels._common import num_sms
+
+if TYPE_CHECKING:
+    from prefix_cache.attention.triton_backend import GraphCapacity
 from prefix_cache.kernels.work import LevelArrays
 
 #: FA3's query tile: rows of (query tokens x query heads of one KV head) per program.
@@ -56,16 +62,26 @@ class SharedLevelsOnFlashInfer:
     """The level of a plan that runs on FlashInfer's FA3 paged prefill, split by hand.
 
     flashinfer: the imported module. workspace_bytes: FlashInfer's float workspace (FA3 keeps no
-    split results in it, but the wrapper needs one).
+    split results in it, but the wrapper needs one). capacity: the Triton backend's, for CUDA-graph
+    replay across plans (fixed buffers, see the module docstring); None sizes every plan exactly.
     """
 
     def __init__(
-        self, flashinfer, device: torch.device, rule: LevelRule | None = None, workspace_bytes: int = 16 << 20
+        self,
+        flashinfer,
+        device: torch.device,
+        rule: LevelRule | None = None,
+        workspace_bytes: int = 16 << 20,
+        *,
+        capacity: GraphCapacity | None = None,
     ) -> None:
         self._flashinfer = flashinfer
         self._device = device
         self.rule = rule or LevelRule()
         self._workspace_bytes = workspace_bytes
+        self._capacity = capacity
+        # The graph-mode wrapper's ((requests, query rows), (heads, head_dim, page_size, scale, dtype)).
+        self._fixed: tuple | None = None
         self._wrapper = None  # made, with its workspace, at the first plan
         self._q_index: torch.Tensor | None = None  # engine rows of q, one per FlashInfer query row
         self._buffers: dict[str, torch.Tensor] = {}
@@ -135,24 +151,98 @@ class SharedLevelsOnFlashInfer:
             ext[1, q0:q1] = q1 - q0
             ext[2, q0:q1] = chunks
             row += chunks * (q1 - q0)
-        if self._wrapper is None:
-            workspace = torch.empty(self._workspace_bytes, dtype=torch.uint8, device=self._device)
-            wrapper = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper
-            self._wrapper = wrapper(workspace, "NHD", backend="fa3")
-        self._wrapper.plan(
-            torch.tensor(qo, dtype=torch.int32),
-            torch.tensor(kv, dtype=torch.int32),
-            torch.from_numpy(np.concatenate(indices).astype(np.int32)),
-            torch.tensor(lasts, dtype=torch.int32),
+        qo_a, kv_a, lasts_a = (np.asarray(a, dtype=np.int32) for a in (qo, kv, lasts))
+        q_index_a = np.concatenate(q_index).astype(np.int64)
+        indices_a = np.concatenate(indices).astype(np.int32)
+        plan = (hq, hkv, head_dim, page_size, sm_scale, dtype)
+        if self._capacity is None:
+            self._plan_wrapper(self._make(plan, None), qo_a, kv_a, indices_a, lasts_a, plan)
+            self._q_index = torch.from_numpy(q_index_a).to(self._device)
+            self._bind_buffers(row, plan)
+            return ext
+        requests, rows = self._fixed_sizes(hkv, group)
+        # The level's pages are within the plan's, which the Triton backend checked.
+        assert qo_a.shape[0] <= requests and row <= rows, "FA3 level over its fixed sizes"
+        # Padded to the fixed batch: the first padding request owns the rows past the plan's (FA3
+        # takes q's row count at launch; a graph keeps the captured one), with no KV.
+        qo_f = np.full(requests + 1, rows, dtype=np.int32)
+        qo_f[: qo_a.shape[0]] = qo_a
+        kv_f = np.full(requests + 1, kv_a[-1], dtype=np.int32)
+        kv_f[: kv_a.shape[0]] = kv_a
+        lasts_f = np.zeros(requests, dtype=np.int32)
+        lasts_f[: lasts_a.shape[0]] = lasts_a
+        q_index_f = np.zeros(rows, dtype=np.int64)  # padding rows read q's row 0
+        q_index_f[:row] = q_index_a
+        self._plan_wrapper(self._make(plan, (requests, rows)), qo_f, kv_f, indices_a, lasts_f, plan)
+        self._bind_buffers(rows, plan)
+        self._q_index.copy_(torch.from_numpy(q_index_f))
+        return ext
+
+    def _fixed_sizes(self, num_kv_heads: int, group: int) -> tuple[int, int]:
+        """(requests, query rows) of the graph-mode wrapper. ``plan`` gives a group of q query tokens
+        ``c = min(S, ...)`` chunks with ``S = max(1, sms // programs)``, programs at least
+        ``num_kv_heads * rows / FA3_ROWS`` over the level's rows: so at most ``max(tokens, sms *
+        FA3_ROWS / (num_kv_heads * group))`` query rows in all, and ``max(groups, sms / num_kv_heads)``
+        requests, plus the padding request."""
+        assert self._capacity is not None
+        tokens, sms = self._capacity.max_query_tokens, num_sms(self._device)
+        return max(tokens, sms) + 1, max(tokens, sms * FA3_ROWS // (num_kv_heads * group))
+
+    def _make(self, plan: tuple, fixed: tuple[int, int] | None):
+        """The wrapper: plain, or over fixed index buffers of ``fixed`` (requests, query rows), given
+        a first plan of that many rows (FlashInfer sizes its grid from it; nothing runs it)."""
+        if self._wrapper is not None:
+            if fixed is not None and (fixed, plan) != self._fixed:
+                raise ValueError(
+                    f"a fixed-capacity backend's FA3 level keeps its heads, head_dim, page_size, "
+                    f"sm_scale and dtype {self._fixed[1]}; got {plan}: make a new backend"
+                )
+            return self._wrapper
+        workspace = torch.empty(self._workspace_bytes, dtype=torch.uint8, device=self._device)
+        wrapper_type = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper
+        if fixed is None:
+            self._wrapper = wrapper_type(workspace, "NHD", backend="fa3")
+            return self._wrapper
+        requests, rows = fixed
+        device = self._device
+        self._wrapper = wrapper_type(
+            workspace,
+            "NHD",
+            use_cuda_graph=True,
+            qo_indptr_buf=torch.zeros(requests + 1, dtype=torch.int32, device=device),
+            paged_kv_indptr_buf=torch.zeros(requests + 1, dtype=torch.int32, device=device),
+            paged_kv_indices_buf=torch.zeros(self._capacity.max_pages, dtype=torch.int32, device=device),
+            paged_kv_last_page_len_buf=torch.zeros(requests, dtype=torch.int32, device=device),
+            backend="fa3",
+        )
+        self._fixed = (fixed, plan)
+        qo = np.full(requests + 1, rows, dtype=np.int32)
+        qo[0] = 0
+        zeros = np.zeros(requests + 1, dtype=np.int32)
+        self._plan_wrapper(self._wrapper, qo, zeros, zeros[:0], zeros[:requests], plan)
+        self._q_index = torch.zeros(rows, dtype=torch.int64, device=device)
+        return self._wrapper
+
+    @staticmethod
+    def _plan_wrapper(wrapper, qo, kv, indices, lasts, plan: tuple) -> None:
+        hq, hkv, head_dim, page_size, sm_scale, dtype = plan
+        wrapper.plan(
+            torch.from_numpy(qo),
+            torch.from_numpy(kv),
+            torch.from_numpy(indices),
+            torch.from_numpy(lasts),
             hq, hkv, head_dim, page_size,
             causal=False, sm_scale=sm_scale, q_data_type=dtype, kv_data_type=dtype,
         )  # fmt: skip
-        self._q_index = torch.from_numpy(np.concatenate(q_index).astype(np.int64)).to(self._device)
+
+    def _bind_buffers(self, rows: int, plan: tuple) -> None:
+        """``o``, ``lse`` and the gathered q for ``rows`` FlashInfer query rows (kept, and grown only,
+        across plans: a fixed-capacity backend's are made once, at their final size)."""
+        hq, _, head_dim, _, _, dtype = plan
         buffers, device = self._buffers, self._device
-        self.o = reused_buffer(buffers, "o", row * hq * head_dim, dtype, device).view(row, hq, head_dim)
-        self.lse = reused_buffer(buffers, "lse", row * hq, torch.float32, device).view(row, hq)
-        self._q = reused_buffer(buffers, "q", row * hq * head_dim, dtype, device).view(row, hq, head_dim)
-        return ext
+        self.o = reused_buffer(buffers, "o", rows * hq * head_dim, dtype, device).view(rows, hq, head_dim)
+        self.lse = reused_buffer(buffers, "lse", rows * hq, torch.float32, device).view(rows, hq)
+        self._q = reused_buffer(buffers, "q", rows * hq * head_dim, dtype, device).view(rows, hq, head_dim)
 
     def run(self, q: torch.Tensor, paged) -> None:
         """Write the planned levels' states into ``o`` and ``lse``. q: the engine's [*, Hq, D];

@@ -212,7 +212,12 @@ class TritonBackend(AttentionBackend):
 
     @property
     def graph_key(self) -> str | None:
-        return None if self.capacity is None else "triton"
+        """Under a capacity: ``"triton"``, or ``"triton+fa3"`` when the plan's longest shared level
+        runs on FlashInfer's FA3 (``_shared_levels``, set by the auto backend): two fixed sequences
+        of launches, one graph each."""
+        if self.capacity is None:
+            return None
+        return "triton+fa3" if self._external else "triton"
 
     def _prepare(self, plan: CascadePlan) -> None:
         if not plan.levels:
@@ -269,19 +274,26 @@ class TritonBackend(AttentionBackend):
         ends = np.cumsum(np.bincount(launch, minlength=len(used))).tolist()
         return used, [work[start:end] for start, end in zip([0, *ends], ends, strict=False)], splits
 
-    def _prepare_exact(self, plan: CascadePlan, levels, order: np.ndarray) -> None:
-        nq = plan.num_query_tokens
+    def _plan_external(self, plan: CascadePlan, levels, order: np.ndarray):
+        """(levels, causal, ext): the plan's checked levels and their causal flags without the one
+        ``_shared_levels`` runs, and its ``ext`` table (see ``_fill``); or all levels and None."""
         causal = [level.causal for level in plan.levels]
-        group = self.num_qo_heads // self.num_kv_heads
         external, ext = self._shared_levels, None
+        group = self.num_qo_heads // self.num_kv_heads
         taken = None if external is None else external.take(levels, causal, group, self.head_dim, self.dtype)
         if taken is not None:
             ext = external.plan(
                 levels[taken], plan.levels[taken].kv_last_page_len, order, plan.page_size,
                 (self.num_qo_heads, self.num_kv_heads, self.head_dim, self.sm_scale), self.dtype,
             )  # fmt: skip
-            levels, causal = levels[:taken] + levels[taken + 1 :], causal[:taken] + causal[taken + 1 :]
         self._external = ext is not None
+        if ext is None:
+            return levels, causal, None
+        return levels[:taken] + levels[taken + 1 :], causal[:taken] + causal[taken + 1 :], ext
+
+    def _prepare_exact(self, plan: CascadePlan, levels, order: np.ndarray) -> None:
+        nq = plan.num_query_tokens
+        levels, causal, ext = self._plan_external(plan, levels, order)
         tiles, works, splits = self._schedule(plan, levels, causal, None, self.kv_chunk_size)
         pages = sum(level.kv_indices.shape[0] for level in levels)
         sec = _Sections([w.shape[0] for w in works], pages, len(levels), nq)
@@ -311,7 +323,6 @@ class TritonBackend(AttentionBackend):
     def _prepare_fixed(self, plan: CascadePlan, levels, order: np.ndarray) -> None:
         cap = self.capacity
         assert cap is not None
-        self._external = False
         nq = plan.num_query_tokens
         group = self.num_qo_heads // self.num_kv_heads
         shape = (self.num_qo_heads, self.num_kv_heads, self.head_dim, plan.page_size, self.sm_scale)
@@ -328,15 +339,16 @@ class TritonBackend(AttentionBackend):
         ):
             if need > have:
                 raise ValueError(f"the plan has {need} {what}, over the backend's capacity of {have}")
+        levels, causal, ext = self._plan_external(plan, levels, order)
         tiles = fixed_tile_configs(group, self.head_dim, plan.page_size)
         # Splits that do not fit the fixed buffers are cut down, not dropped: fewer, longer splits.
         for max_splits in (MAX_SPLITS, 16, 8, 4, 2, 1):
-            _, works, splits = self._schedule(
-                plan, levels, [lv.causal for lv in plan.levels], tiles, self.kv_chunk_size, max_splits
-            )
+            _, works, splits = self._schedule(plan, levels, causal, tiles, self.kv_chunk_size, max_splits)
             items = [w.shape[0] for w in works]
             rows_per_token = splits.sum(axis=0)
-            rows = int(rows_per_token.sum() - np.count_nonzero(rows_per_token == 1))
+            # As ``_fill`` counts them: a token's one state is its output unless it has FA3 states.
+            final = rows_per_token == 1 if ext is None else (rows_per_token == 1) & (ext[2] == 0)
+            rows = int(rows_per_token.sum() - np.count_nonzero(final))
             if max(items) <= cap.work_items and rows <= cap.partial_rows:
                 break
         else:
@@ -356,7 +368,7 @@ class TritonBackend(AttentionBackend):
         host[: sec.kv_indices] = 0
         # Merge programs past the plan's merged tokens have no rows and write nothing.
         host[sec.merge_rows : sec.merge_rows + sec.tokens] = -1
-        self._fill(host, sec, works, levels, splits, order, cap.max_query_tokens)
+        self._fill(host, sec, works, levels, splits, order, cap.max_query_tokens, ext, cap.max_query_tokens)
         # Stale page ids past this plan's are never read: the copy stops at the last one used.
         self._upload.copy(self._ints, sec.kv_indices + pages)
 
@@ -370,10 +382,12 @@ class TritonBackend(AttentionBackend):
         order,
         token_stride: int,
         ext: np.ndarray | None = None,
+        merge_slots: int | None = None,
     ) -> tuple[int, int]:
         """Write a plan's int sections into ``host`` (work lists, counts, pages, row tables); returns
         (merged tokens, partial rows). ext: int32 [3, nq], the states each planned token has outside
-        the Triton launches (``SharedLevelsOnFlashInfer.plan``), or None."""
+        the Triton launches (``SharedLevelsOnFlashInfer.plan``), or None. merge_slots: the merge
+        launch's programs (the row length of the ext table); default the merged tokens."""
         nq = order.shape[0]
         for offset, work in zip(sec.work, works, strict=True):
             host[offset : offset + work.size] = work.reshape(-1)
@@ -413,7 +427,8 @@ class TritonBackend(AttentionBackend):
         host[sec.starts : sec.starts + k] = starts
         host[sec.counts : sec.counts + k] = counts
         if ext is not None:
-            host[sec.ext : sec.ext + 3 * k].reshape(3, k)[:] = ext[:, merged]
+            slots = merge_slots or k
+            host[sec.ext : sec.ext + 3 * slots].reshape(3, slots)[:, :k] = ext[:, merged]
         return k, int(ends[-1])
 
     def _bind(self, sec: _Sections, tiles: list[TileConfig], *, exact: bool, merges: int) -> None:
