@@ -396,7 +396,7 @@ def test_auto_backend_runs_long_shared_levels_on_fa3(hq: int, hkv: int, d: int, 
     pytest.importorskip("flashinfer")
     from prefix_cache.attention.flashinfer_levels import LevelRule
 
-    rule = LevelRule(min_rows=32, min_kv_tokens=512, min_split_tokens=256)
+    rule = LevelRule(min_rows=32, min_kv_tokens=512, min_work=1, min_split_tokens=256)
     backend = create_backend("auto", level_rule=rule)
     page_size, dtype = 16, torch.bfloat16
     generator = torch.Generator().manual_seed(11)
@@ -499,7 +499,7 @@ def test_auto_backend_graphs_replay_across_plans_of_each_key(layout: str) -> Non
         "auto",
         capacity=capacity,
         routing=Routing(prefill_min_tokens=8, prefill_tokens=16),
-        level_rule=LevelRule(min_rows=32, min_kv_tokens=1024, min_split_tokens=256),
+        level_rule=LevelRule(min_rows=32, min_kv_tokens=1024, min_work=1, min_split_tokens=256),
     )
     heads = dict(num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, q_dtype=dtype)
     rng = np.random.default_rng(5 if layout == "contiguous" else 6)

@@ -202,7 +202,8 @@ def _split_levels_backend(rule=None):
 
     from prefix_cache.attention.flashinfer_levels import LevelRule, SharedLevelsOnFlashInfer
 
-    rule = rule or LevelRule(min_rows=4, min_kv_tokens=12, min_split_tokens=8)
+    # min_work: exactly the short prefix's 4 query rows x 12 tokens in the first test.
+    rule = rule or LevelRule(min_rows=4, min_kv_tokens=12, min_work=4 * 12, min_split_tokens=8)
     backend = TritonBackend(device=DEVICE, kv_chunk_size=8)
     backend._shared_levels = SharedLevelsOnFlashInfer(flashinfer_stand_in, torch.device(DEVICE), rule)
     return backend
@@ -238,12 +239,14 @@ def test_shared_levels_split_into_flashinfer_requests_merge_with_our_levels() ->
     backend.run(q, kv_cache, out=out)
     torch.testing.assert_close(out.double(), expected, atol=3e-3, rtol=3e-3)
 
-    # Nothing taken: float32 q (FA3 takes fp16 / bf16), a group under the rule's length, head dim 16.
+    # Nothing taken: float32 q (FA3 takes fp16 / bf16), a group under the rule's length, one under
+    # its work (the short prefix: 4 query rows x 12 tokens), head dim 16.
     from prefix_cache.attention.flashinfer_levels import LevelRule
 
     for dtype, rule, dim in (
         (torch.float32, None, d),
-        (torch.float16, LevelRule(min_rows=4, min_kv_tokens=16), d),
+        (torch.float16, LevelRule(min_rows=4, min_kv_tokens=16, min_work=1), d),
+        (torch.float16, LevelRule(min_rows=4, min_kv_tokens=12, min_work=4 * 12 + 1), d),
         (torch.float16, None, 16),
     ):
         backend = _split_levels_backend(rule)
@@ -311,7 +314,7 @@ def test_fixed_capacity_runs_a_shared_level_on_flashinfer_graph_mode() -> None:
     }  # fmt: skip
     capacity = GraphCapacity(max_query_tokens=8, max_pages=40)
     backend = TritonBackend(DEVICE, kv_chunk_size=8, capacity=capacity)
-    rule = LevelRule(min_rows=4, min_kv_tokens=12, min_split_tokens=8)
+    rule = LevelRule(min_rows=4, min_kv_tokens=12, min_work=1, min_split_tokens=8)
     fa3 = backend._shared_levels = SharedLevelsOnFlashInfer(
         flashinfer_stand_in, torch.device(DEVICE), rule, capacity=capacity
     )

@@ -40,20 +40,24 @@ FA3_HEAD_DIMS = (64, 128, 256)
 @dataclass(frozen=True)
 class LevelRule:
     """Which shared levels run on FlashInfer's FA3: a non-causal level whose every group (with
-    queries and KV) has at least ``min_rows`` query rows per KV head (tokens x GQA group) and
-    ``min_kv_tokens`` KV tokens. ``min_split_tokens``: the shortest chunk a group's KV is cut into.
+    queries and KV) has at least ``min_rows`` query rows per KV head (tokens x GQA group),
+    ``min_kv_tokens`` KV tokens, and ``min_work`` rows x KV tokens. ``min_split_tokens``: the
+    shortest chunk a group's KV is cut into.
 
-    The defaults are where a sweep on the H200 (one prefix of 2048-32768 tokens x 16-128 decoding
-    requests, 32/8 heads, d64 and d128; benchmarks/NOTES.md, attempt 17) measured the whole step
-    faster with FA3: 0.76-0.87x at 512 rows over 16384+ tokens; at 256 rows or fewer it was slower
-    everywhere (1.06-2.2x), FA3's fixed cost dominating."""
+    The defaults are where sweeps on the H200 measured the whole step faster with FA3
+    (benchmarks/NOTES.md): one prefix of 2048-32768 tokens x 16-128 decoding requests (attempt 17,
+    32/8 heads, d64 and d128): 0.76-0.87x at 512 rows over 16384+ tokens, while at 256 rows or
+    fewer it was slower everywhere (1.06-2.2x), FA3's fixed cost dominating; and prefill chunks or
+    hundreds of decodes over shorter prefixes (attempt 20), where more rows fill the device
+    without splitting the KV."""
 
     min_rows: int = 512
-    min_kv_tokens: int = 16384
+    min_kv_tokens: int = 2048
+    min_work: int = 512 * 16384
     min_split_tokens: int = 2048
 
     def __post_init__(self) -> None:
-        for name in ("min_rows", "min_kv_tokens", "min_split_tokens"):
+        for name in ("min_rows", "min_kv_tokens", "min_work", "min_split_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"LevelRule.{name} must be >= 1, got {getattr(self, name)}")
 
@@ -104,8 +108,13 @@ class SharedLevelsOnFlashInfer:
             used = (level.q_len > 0) & (level.kv_len > 0)
             if is_causal or not used.any():
                 continue
-            q_len, kv_len = level.q_len[used], level.kv_len[used]
-            if (q_len * group_size >= rule.min_rows).all() and (kv_len >= rule.min_kv_tokens).all():
+            q_len, kv_len = level.q_len[used].astype(np.int64), level.kv_len[used].astype(np.int64)
+            rows = q_len * group_size
+            if (
+                (rows >= rule.min_rows).all()
+                and (kv_len >= rule.min_kv_tokens).all()
+                and (rows * kv_len >= rule.min_work).all()
+            ):
                 work = int((q_len * kv_len).sum())
                 if work > best_work:
                     best, best_work = i, work
