@@ -205,6 +205,46 @@ def test_small_decode_reaches_flashinfer_in_engine_order() -> None:
     assert not in_engine_order(np.array([1, 0])) and in_engine_order(np.zeros(0, dtype=np.int64))
 
 
+def test_prefill_cascade_with_an_fa3_level_takes_the_triton_route() -> None:
+    """A cascade with prefill chunks, which the thresholds send to FlashInfer's cascade wrapper, runs
+    on the Triton route when the ``LevelRule`` gives its shared level to FA3 (a stand-in FlashInfer
+    on CPU), and its output matches the float64 reference; a rule that takes no level leaves it on
+    FlashInfer's route."""
+    pytest.importorskip("triton")
+    import flashinfer_stand_in
+
+    from prefix_cache.attention.auto_backend import Routing
+    from prefix_cache.attention.flashinfer_levels import LevelRule, SharedLevelsOnFlashInfer
+
+    device = SWEEPS["triton"].device
+    page, hq, hkv, d = 4, 4, 2, 64
+    gen = torch.Generator().manual_seed(12)
+    kv_cache = torch.randn(40, 2, page, hkv, d, generator=gen).half().to(device)
+    tables = [np.r_[np.arange(9), 20 + 3 * r, 21 + 3 * r, 22 + 3 * r] for r in range(3)]  # 36 shared tokens
+    kv_lens, qo_lens = [36 + 2, 36 + 9, 36 + 3], [1, 8, 2]
+    plan = CascadePlanner(min_shared_tokens=1, min_saved_tokens=0).plan(tables, kv_lens, qo_lens, page)
+    assert len(plan.levels) == 2
+    heads = dict(num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, q_dtype=torch.float16)
+    for work, route in ((1, "triton+fa3"), (22 * 36 + 1, "flashinfer")):  # the level: 22 rows x 36 tokens
+        routing = Routing(prefill_min_tokens=4, prefill_tokens=4)
+        backend = create_backend("auto", device=device, routing=routing)
+        backend._fi_module = flashinfer_stand_in  # FlashInfer is only looked for on CUDA
+        rule = LevelRule(min_rows=4, min_kv_tokens=12, min_work=work, min_split_tokens=8)
+        fa3 = SharedLevelsOnFlashInfer(flashinfer_stand_in, torch.device(device), rule)
+        backend._triton._shared_levels = fa3
+        backend.num_qo_heads, backend.num_kv_heads, backend.head_dim = hq, hkv, d
+        backend.dtype = torch.float16
+        assert backend._fa3_takes_a_level(plan) == (route == "triton+fa3")
+        if route == "flashinfer":
+            continue  # FlashInfer's cascade wrapper has no stand-in
+        backend.plan(plan, **heads)
+        assert backend.route == route
+        q = torch.randn(sum(qo_lens), hq, d, generator=gen).half().to(device)
+        out = backend.run(q, kv_cache)
+        expected = reference_attention(q, kv_cache, tables, kv_lens, qo_lens, d**-0.5)
+        torch.testing.assert_close(out.double(), expected, atol=3e-3, rtol=3e-3)
+
+
 def test_create_backend() -> None:
     assert isinstance(create_backend("torch"), TorchBackend)
     with pytest.raises(ValueError, match="unknown attention backend"):
@@ -394,10 +434,10 @@ def test_auto_backend_runs_long_shared_levels_on_fa3(hq: int, hkv: int, d: int, 
     lengths, decodes and a prefill chunk, a request that shares nothing, both KV layouts; every output
     row against the float64 reference."""
     pytest.importorskip("flashinfer")
+    from prefix_cache.attention.auto_backend import Routing
     from prefix_cache.attention.flashinfer_levels import LevelRule
 
     rule = LevelRule(min_rows=32, min_kv_tokens=512, min_work=1, min_split_tokens=256)
-    backend = create_backend("auto", level_rule=rule)
     page_size, dtype = 16, torch.bfloat16
     generator = torch.Generator().manual_seed(11)
     pool = torch.randn(400, 2, page_size, hkv, d, generator=generator).to("cuda", dtype)
@@ -410,16 +450,21 @@ def test_auto_backend_runs_long_shared_levels_on_fa3(hq: int, hkv: int, d: int, 
     kv_lens = [1280 + 20 + i for i in range(12)] + [512 + 9] * 10 + [150]
     qo_lens = [1] * 11 + [7] + [1] * 10 + [1]
     plan = CascadePlanner(min_shared_tokens=256, min_saved_tokens=0).plan(tables, kv_lens, qo_lens, page_size)
-    backend.plan(plan, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, q_dtype=dtype)
     hopper = torch.cuda.get_device_capability()[0] == 9
-    assert backend.route == ("triton+fa3" if hopper else "triton")
     q = torch.randn(sum(qo_lens), hq, d, generator=generator).to("cuda", dtype)
     expected = reference_attention(q, pool, tables, kv_lens, qo_lens, d**-0.5)
     scale = float(expected.abs().max())
-    for _ in range(2):  # the plan's buffers serve every layer
-        out = torch.full_like(q, float("nan"))
-        backend.run(q, kv_cache, out=out)
-        torch.testing.assert_close(out.double(), expected, atol=1.6e-2 * scale, rtol=0)
+    # Default routing (a decode batch: Triton), and thresholds that call the 7-token chunk a prefill
+    # (FlashInfer's cascade, unless FA3 takes the shared level).
+    prefills = Routing(prefill_min_tokens=4, prefill_tokens=4)
+    for routing, elsewhere in ((None, "triton"), (prefills, "flashinfer")):
+        backend = create_backend("auto", level_rule=rule, routing=routing)
+        backend.plan(plan, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, q_dtype=dtype)
+        assert backend.route == ("triton+fa3" if hopper else elsewhere)
+        for _ in range(2):  # the plan's buffers serve every layer
+            out = torch.full_like(q, float("nan"))
+            backend.run(q, kv_cache, out=out)
+            torch.testing.assert_close(out.double(), expected, atol=1.6e-2 * scale, rtol=0)
 
 
 def test_graph_keys() -> None:

@@ -10,7 +10,9 @@ come from the side-by-side measurements in benchmarks/results/attention_h200.md)
 - ``triton``: everything else, in particular every decode batch with shared levels. On Hopper, a
   long shared level with many query rows (``LevelRule``) runs there on FlashInfer's FA3 kernel, its
   KV split by hand, merged with our kernels' other levels
-  (``prefix_cache.attention.flashinfer_levels``; ``route`` is then ``"triton+fa3"``).
+  (``prefix_cache.attention.flashinfer_levels``; ``route`` is then ``"triton+fa3"``). A cascade
+  with prefill chunks whose shared level FA3 takes runs there too, not on FlashInfer's cascade
+  wrapper: 0.79-0.89x its time on the H200 (benchmarks/NOTES.md, attempt 20).
 
 FlashInfer is used only where it is importable, the device is CUDA and ``plan`` was given
 ``q_dtype`` (fp16 or bf16).
@@ -37,6 +39,7 @@ from prefix_cache.attention.flashinfer_levels import LevelRule, SharedLevelsOnFl
 from prefix_cache.attention.kv_layout import flashinfer_paged
 from prefix_cache.attention.triton_backend import GraphCapacity, TritonBackend
 from prefix_cache.cascade import CascadePlan
+from prefix_cache.kernels.work import check_level
 
 
 @dataclass(frozen=True)
@@ -168,6 +171,8 @@ class AutoBackend(AttentionBackend):
             self.route = key if key.startswith("triton") else "flashinfer"
             return
         route = choose_route(plan, group, self.routing) if flashinfer else "triton"
+        if route == "flashinfer" and len(plan.levels) > 1 and self._fa3_takes_a_level(plan):
+            route = "triton"
         if route == "flashinfer":
             if self._fi_backend is None:
                 from prefix_cache.attention.flashinfer_backend import FlashInferBackend
@@ -178,6 +183,19 @@ class AutoBackend(AttentionBackend):
             self._triton.plan(plan, **heads, q_dtype=self.dtype)
             route = "triton+fa3" if self._triton._external else "triton"
         self.route = route
+
+    def _fa3_takes_a_level(self, plan: CascadePlan) -> bool:
+        """Whether the Triton backend would run one of ``plan``'s shared levels on FA3."""
+        shared = self._triton._shared_levels
+        if shared is None:
+            return False
+        levels = [
+            check_level(lv.qo_indptr, lv.kv_indptr, lv.kv_indices, lv.kv_last_page_len, plan.page_size)
+            for lv in plan.levels
+        ]
+        causal = [lv.causal for lv in plan.levels]
+        group = self.num_qo_heads // self.num_kv_heads
+        return shared.take(levels, causal, group, self.head_dim, self.dtype) is not None
 
     def _run(self, plan, q, kv_cache, k, v, out) -> None:
         if self.route.startswith("triton"):
