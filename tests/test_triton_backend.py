@@ -333,3 +333,48 @@ def test_fixed_capacity_runs_a_shared_level_on_flashinfer_graph_mode() -> None:
         backend.run(q, kv_cache, out=out)
         expected = reference_attention(q, kv_cache, tables, kv_lens, qo_lens, d**-0.5)
         torch.testing.assert_close(out.double(), expected, atol=3e-3, rtol=3e-3)
+
+
+def test_a_refused_plan_leaves_the_fixed_buffers_and_flashinfer_level_as_they_were() -> None:
+    """Under a capacity, a plan refused for its partial rows (after its FA3 level is chosen) writes
+    nothing a replayed graph reads: the int buffer, the FA3 query rows and FlashInfer's index buffers
+    keep the previous plan, whose launches (what a replay runs) still give the right output."""
+    import flashinfer_stand_in
+
+    from prefix_cache.attention.base import split_kv_cache
+    from prefix_cache.attention.flashinfer_levels import LevelRule, SharedLevelsOnFlashInfer
+
+    gen = torch.Generator().manual_seed(10)
+    page, hq, hkv, d = 4, 4, 2, 64
+    heads = dict(num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, q_dtype=torch.float16)
+    kv_cache = torch.randn(90, 2, page, hkv, d, generator=gen).half().to(DEVICE)
+    planner = CascadePlanner(min_shared_tokens=1, min_saved_tokens=0)
+    long, short, lone = np.arange(9), np.arange(9, 12), np.array([40, 41])
+    first, second = np.arange(50, 60), np.arange(60, 67)
+    a = ([np.r_[long, 20 + r] for r in range(3)] + [np.r_[short, 30 + r] for r in range(2)] + [lone],
+         [36 + 3, 36 + 2, 36 + 4, 12 + 1, 12 + 3, 7], [1, 2, 1, 1, 1, 1])  # fmt: skip
+    b = ([np.r_[first, 70 + r] for r in range(2)] + [np.r_[second, 75 + r] for r in range(2)],
+         [40 + 2, 40 + 4, 28 + 3, 28 + 1], [1, 3, 2, 2])  # fmt: skip
+    capacity = GraphCapacity(max_query_tokens=8, max_pages=40, max_partial_rows=6)
+    backend = TritonBackend(DEVICE, kv_chunk_size=8, capacity=capacity)
+    rule = LevelRule(min_rows=4, min_kv_tokens=12, min_work=1, min_split_tokens=8)
+    fa3 = backend._shared_levels = SharedLevelsOnFlashInfer(
+        flashinfer_stand_in, torch.device(DEVICE), rule, capacity=capacity
+    )
+    plan_a = planner.plan(*a, page)
+    backend.plan(plan_a, **heads)
+    assert backend.graph_key == "triton+fa3"
+    wrapper = fa3._wrapper
+    read_by_replay = [backend._ints, fa3._q_index, wrapper.qo, wrapper.kv, wrapper.indices, wrapper.last]
+    before = [t.clone() for t in read_by_replay]
+    with pytest.raises(ValueError, match="partial rows, over the backend's capacity of"):
+        backend.plan(planner.plan(*b, page), **heads)
+    for now, then in zip(read_by_replay, before, strict=True):
+        assert torch.equal(now, then)
+    q = torch.randn(sum(a[2]), hq, d, generator=gen).half().to(DEVICE)
+    out = torch.full_like(q, float("nan"))
+    k, v = split_kv_cache(kv_cache)
+    backend._run(plan_a, q, kv_cache, k, v, out)  # the launches a graph captured after plan_a makes
+    torch.testing.assert_close(
+        out.double(), reference_attention(q, kv_cache, *a, d**-0.5), atol=3e-3, rtol=3e-3
+    )

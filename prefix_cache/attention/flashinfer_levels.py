@@ -88,6 +88,7 @@ class SharedLevelsOnFlashInfer:
         self._fixed: tuple | None = None
         self._wrapper = None  # made, with its workspace, at the first plan
         self._q_index: torch.Tensor | None = None  # engine rows of q, one per FlashInfer query row
+        self._pending: tuple | None = None  # what ``plan`` computed for ``commit``
         self._buffers: dict[str, torch.Tensor] = {}
         self.o: torch.Tensor | None = None  # [rows, Hq, D] in q's dtype
         self.lse: torch.Tensor | None = None  # [rows, Hq] float32, base 2
@@ -130,7 +131,8 @@ class SharedLevelsOnFlashInfer:
         dtype: torch.dtype,
     ) -> np.ndarray:
         """Plan ``level`` (the one ``take`` chose; its last-page lengths; ``order``: the planned
-        order's engine rows) on FlashInfer. heads: (num_qo_heads, num_kv_heads, head_dim, sm_scale).
+        order's engine rows) for FlashInfer, on the host: ``commit`` hands it to FlashInfer.
+        heads: (num_qo_heads, num_kv_heads, head_dim, sm_scale).
         Returns int32 [3, num_query_tokens]: per planned query token, its first row in ``o`` / ``lse``,
         the rows between its states, and its number of states (0 for tokens without KV there)."""
         hq, hkv, head_dim, sm_scale = heads
@@ -163,11 +165,9 @@ class SharedLevelsOnFlashInfer:
         qo_a, kv_a, lasts_a = (np.asarray(a, dtype=np.int32) for a in (qo, kv, lasts))
         q_index_a = np.concatenate(q_index).astype(np.int64)
         indices_a = np.concatenate(indices).astype(np.int32)
-        plan = (hq, hkv, head_dim, page_size, sm_scale, dtype)
+        shape = (hq, hkv, head_dim, page_size, sm_scale, dtype)
         if self._capacity is None:
-            self._plan_wrapper(self._make(plan, None), qo_a, kv_a, indices_a, lasts_a, plan)
-            self._q_index = torch.from_numpy(q_index_a).to(self._device)
-            self._bind_buffers(row, plan)
+            self._pending = (None, (qo_a, kv_a, indices_a, lasts_a), row, q_index_a, shape)
             return ext
         requests, rows = self._fixed_sizes(hkv, group)
         # The level's pages are within the plan's, which the Triton backend checked.
@@ -182,29 +182,44 @@ class SharedLevelsOnFlashInfer:
         lasts_f[: lasts_a.shape[0]] = lasts_a
         q_index_f = np.zeros(rows, dtype=np.int64)  # padding rows read q's row 0
         q_index_f[:row] = q_index_a
-        self._plan_wrapper(self._make(plan, (requests, rows)), qo_f, kv_f, indices_a, lasts_f, plan)
-        self._bind_buffers(rows, plan)
-        self._q_index.copy_(torch.from_numpy(q_index_f))
+        self._pending = ((requests, rows), (qo_f, kv_f, indices_a, lasts_f), rows, q_index_f, shape)
         return ext
+
+    def commit(self) -> None:
+        """Plan FlashInfer's wrapper with the last ``plan`` and upload its query rows (apart from
+        ``plan`` so that a plan the Triton backend then refuses leaves them as they were). Raises
+        ValueError, changing nothing, when a fixed-capacity wrapper's shape would change."""
+        assert self._pending is not None
+        fixed, arrays, rows, q_index, shape = self._pending
+        self._pending = None
+        self._plan_wrapper(self._make(shape, fixed), *arrays, shape)
+        self._bind_buffers(rows, shape)
+        # No host sync: the copy is ordered after the kernels that read the previous rows.
+        q_index_t = torch.from_numpy(q_index)
+        if fixed is None:
+            self._q_index = q_index_t.to(self._device, non_blocking=True)
+        else:
+            self._q_index.copy_(q_index_t, non_blocking=True)
 
     def _fixed_sizes(self, num_kv_heads: int, group: int) -> tuple[int, int]:
         """(requests, query rows) of the graph-mode wrapper. ``plan`` gives a group of q query tokens
         ``c = min(S, ...)`` chunks with ``S = max(1, sms // programs)``, programs at least
         ``num_kv_heads * rows / FA3_ROWS`` over the level's rows: so at most ``max(tokens, sms *
         FA3_ROWS / (num_kv_heads * group))`` query rows in all, and ``max(groups, sms / num_kv_heads)``
-        requests, plus the padding request."""
+        requests, groups at most the tokens: the batch is ``max(tokens, sms)`` requests and one more,
+        so that a padding request always follows the plan's."""
         assert self._capacity is not None
         tokens, sms = self._capacity.max_query_tokens, num_sms(self._device)
         return max(tokens, sms) + 1, max(tokens, sms * FA3_ROWS // (num_kv_heads * group))
 
-    def _make(self, plan: tuple, fixed: tuple[int, int] | None):
+    def _make(self, shape: tuple, fixed: tuple[int, int] | None):
         """The wrapper: plain, or over fixed index buffers of ``fixed`` (requests, query rows), given
         a first plan of that many rows (FlashInfer sizes its grid from it; nothing runs it)."""
         if self._wrapper is not None:
-            if fixed is not None and (fixed, plan) != self._fixed:
+            if fixed is not None and (fixed, shape) != self._fixed:
                 raise ValueError(
                     f"a fixed-capacity backend's FA3 level keeps its heads, head_dim, page_size, "
-                    f"sm_scale and dtype {self._fixed[1]}; got {plan}: make a new backend"
+                    f"sm_scale and dtype {self._fixed[1]}; got {shape}: make a new backend"
                 )
             return self._wrapper
         workspace = torch.empty(self._workspace_bytes, dtype=torch.uint8, device=self._device)
@@ -224,17 +239,17 @@ class SharedLevelsOnFlashInfer:
             paged_kv_last_page_len_buf=torch.zeros(requests, dtype=torch.int32, device=device),
             backend="fa3",
         )
-        self._fixed = (fixed, plan)
+        self._fixed = (fixed, shape)
         qo = np.full(requests + 1, rows, dtype=np.int32)
         qo[0] = 0
         zeros = np.zeros(requests + 1, dtype=np.int32)
-        self._plan_wrapper(self._wrapper, qo, zeros, zeros[:0], zeros[:requests], plan)
+        self._plan_wrapper(self._wrapper, qo, zeros, zeros[:0], zeros[:requests], shape)
         self._q_index = torch.zeros(rows, dtype=torch.int64, device=device)
         return self._wrapper
 
     @staticmethod
-    def _plan_wrapper(wrapper, qo, kv, indices, lasts, plan: tuple) -> None:
-        hq, hkv, head_dim, page_size, sm_scale, dtype = plan
+    def _plan_wrapper(wrapper, qo, kv, indices, lasts, shape: tuple) -> None:
+        hq, hkv, head_dim, page_size, sm_scale, dtype = shape
         wrapper.plan(
             torch.from_numpy(qo),
             torch.from_numpy(kv),
@@ -244,10 +259,10 @@ class SharedLevelsOnFlashInfer:
             causal=False, sm_scale=sm_scale, q_data_type=dtype, kv_data_type=dtype,
         )  # fmt: skip
 
-    def _bind_buffers(self, rows: int, plan: tuple) -> None:
+    def _bind_buffers(self, rows: int, shape: tuple) -> None:
         """``o``, ``lse`` and the gathered q for ``rows`` FlashInfer query rows (kept, and grown only,
         across plans: a fixed-capacity backend's are made once, at their final size)."""
-        hq, _, head_dim, _, _, dtype = plan
+        hq, _, head_dim, _, _, dtype = shape
         buffers, device = self._buffers, self._device
         self.o = reused_buffer(buffers, "o", rows * hq * head_dim, dtype, device).view(rows, hq, head_dim)
         self.lse = reused_buffer(buffers, "lse", rows * hq, torch.float32, device).view(rows, hq)

@@ -14,6 +14,11 @@ With a ``GraphCapacity`` the backend keeps fixed-size buffers and a fixed set of
 and a wide tile, each over a fixed persistent grid, then the merge over one program per token of
 the capacity): ``run`` can be captured in a CUDA graph once and replayed after any later ``plan``
 that fits the capacity, because ``plan`` only rewrites the contents of the same device buffers.
+
+On Hopper the auto backend also gives the backend a ``SharedLevelsOnFlashInfer``
+(``flashinfer_levels``): a long shared level with many query rows then runs on FlashInfer's FA3
+before the launches, and the merge folds its states in (``graph_key`` ``"triton+fa3"`` under a
+capacity). A plan the backend refuses writes none of the buffers a captured graph reads.
 """
 
 from __future__ import annotations
@@ -201,8 +206,8 @@ class TritonBackend(AttentionBackend):
         self._qk_scale = 0.0
         self._runnable = True  # False for CPU tensors outside Triton's interpreter
         self._stores: dict[str, torch.Tensor] = {}  # device buffers of exact plans (see _reuse)
-        # Levels of exact plans run outside the Triton launches (the auto backend sets a
-        # ``SharedLevelsOnFlashInfer`` on CUDA); _external: the current plan has such levels.
+        # A shared level run outside the Triton launches (the auto backend sets a
+        # ``SharedLevelsOnFlashInfer`` on Hopper); _external: the current plan has one.
         self._shared_levels = None
         self._external = False
         self._ext_rows = None
@@ -212,7 +217,7 @@ class TritonBackend(AttentionBackend):
 
     @property
     def graph_key(self) -> str | None:
-        """Under a capacity: ``"triton"``, or ``"triton+fa3"`` when the plan's longest shared level
+        """Under a capacity: ``"triton"``, or ``"triton+fa3"`` when one of the plan's shared levels
         runs on FlashInfer's FA3 (``_shared_levels``, set by the auto backend): two fixed sequences
         of launches, one graph each."""
         if self.capacity is None:
@@ -276,7 +281,8 @@ class TritonBackend(AttentionBackend):
 
     def _plan_external(self, plan: CascadePlan, levels, order: np.ndarray):
         """(levels, causal, ext): the plan's checked levels and their causal flags without the one
-        ``_shared_levels`` runs, and its ``ext`` table (see ``_fill``); or all levels and None."""
+        ``_shared_levels`` runs, and its ``ext`` table (see ``_fill``); or all levels and None. On
+        the host only: ``_commit_external`` hands the level to FlashInfer once the plan is accepted."""
         causal = [level.causal for level in plan.levels]
         external, ext = self._shared_levels, None
         group = self.num_qo_heads // self.num_kv_heads
@@ -286,15 +292,22 @@ class TritonBackend(AttentionBackend):
                 levels[taken], plan.levels[taken].kv_last_page_len, order, plan.page_size,
                 (self.num_qo_heads, self.num_kv_heads, self.head_dim, self.sm_scale), self.dtype,
             )  # fmt: skip
-        self._external = ext is not None
         if ext is None:
             return levels, causal, None
         return levels[:taken] + levels[taken + 1 :], causal[:taken] + causal[taken + 1 :], ext
+
+    def _commit_external(self, ext: np.ndarray | None) -> None:
+        """After the plan's last check: its FlashInfer level planned and uploaded (or none)."""
+        self._external = False
+        if ext is not None:
+            self._shared_levels.commit()
+            self._external = True
 
     def _prepare_exact(self, plan: CascadePlan, levels, order: np.ndarray) -> None:
         nq = plan.num_query_tokens
         levels, causal, ext = self._plan_external(plan, levels, order)
         tiles, works, splits = self._schedule(plan, levels, causal, None, self.kv_chunk_size)
+        self._commit_external(ext)
         pages = sum(level.kv_indices.shape[0] for level in levels)
         sec = _Sections([w.shape[0] for w in works], pages, len(levels), nq)
         host = self._upload.image(sec.size)
@@ -356,6 +369,7 @@ class TritonBackend(AttentionBackend):
                 f"the plan needs {max(items)} work items and {rows} partial rows, over the backend's "
                 f"capacity of {cap.work_items} and {cap.partial_rows}"
             )
+        self._commit_external(ext)
         sec = _Sections([cap.work_items] * len(tiles), cap.max_pages, cap.max_levels, cap.max_query_tokens)
         if self._fixed_shape is None:
             self._ints = torch.zeros(sec.size, dtype=torch.int32, device=self.device)
