@@ -30,6 +30,7 @@ import torch
 
 from prefix_cache.attention.base import AttentionBackend, check_pool, reused_buffer
 from prefix_cache.attention.kv_layout import flashinfer_paged
+from prefix_cache.attention.plan_image import Sections, Upload, fill_image
 from prefix_cache.cascade import CascadePlan
 from prefix_cache.kernels._common import LOG2E, interpreting, num_sms
 from prefix_cache.kernels.attention import AttentionLaunch
@@ -104,58 +105,6 @@ class _Launch:
     num_programs: int
 
 
-class _Sections:
-    """Offsets of the int32 sections in the one device buffer of a plan: the item counts, the row
-    tables (attention: o_rows per level, q_rows; merge: out rows, first partial rows, counts, and the
-    rows of states computed outside the Triton launches), the work lists, and the page ids last (so an
-    upload can stop where the pages do)."""
-
-    def __init__(self, work_items: list[int], pages: int, levels: int, tokens: int) -> None:
-        self.work_items, self.pages, self.levels, self.tokens = work_items, pages, levels, tokens
-        self.num_work = 0
-        self.o_rows = len(work_items)
-        self.q_rows = self.o_rows + levels * tokens
-        self.merge_rows = self.q_rows + tokens
-        self.starts = self.merge_rows + tokens
-        self.counts = self.starts + tokens
-        self.ext = self.counts + tokens
-        offset = self.ext + 3 * tokens
-        self.work: list[int] = []
-        for n in work_items:
-            self.work.append(offset)
-            offset += n * WORK_COLS
-        self.kv_indices = offset
-        self.size = offset + pages
-
-
-class _Upload:
-    """Host-to-device copies of a plan's int32 image without a host sync: the image is written into a
-    pinned buffer and copied asynchronously on the current stream; the next plan waits for that copy
-    (not for the kernels) before writing the buffer again. Plain copies for CPU tensors."""
-
-    def __init__(self, device: torch.device) -> None:
-        self._pinned = device.type == "cuda"
-        self._host = torch.zeros(0, dtype=torch.int32)
-        self._done: torch.cuda.Event | None = None
-
-    def image(self, size: int) -> np.ndarray:
-        """A writable int32 host array of ``size`` elements (contents undefined, kept across calls)."""
-        if self._done is not None:
-            self._done.synchronize()
-        if self._host.numel() < size:
-            self._host = torch.zeros(
-                max(size, 2 * self._host.numel()), dtype=torch.int32, pin_memory=self._pinned
-            )
-        return self._host.numpy()[:size]
-
-    def copy(self, dst: torch.Tensor, size: int) -> None:
-        """Copy the first ``size`` elements of the image into ``dst[:size]``."""
-        dst[:size].copy_(self._host[:size], non_blocking=self._pinned)
-        if self._pinned:
-            self._done = torch.cuda.Event()
-            self._done.record()
-
-
 class TritonBackend(AttentionBackend):
     """Cascade attention on the GPU (or in Triton's interpreter for CPU tensors).
 
@@ -191,8 +140,8 @@ class TritonBackend(AttentionBackend):
         self._max_page = -1
         self._launches: list[_Launch] = []
         self._ints: torch.Tensor | None = None  # the plan's int32 device buffer
-        self._upload = _Upload(self.device)
-        self._sections: _Sections | None = None
+        self._upload = Upload(self.device)
+        self._sections: Sections | None = None
         self._q_rows = self._o_rows = self._kv_indices = None
         self._merge_rows = self._starts = self._counts = None
         self._part_o: torch.Tensor | None = None
@@ -281,7 +230,7 @@ class TritonBackend(AttentionBackend):
 
     def _plan_external(self, plan: CascadePlan, levels, order: np.ndarray):
         """(levels, causal, ext): the plan's checked levels and their causal flags without the one
-        ``_shared_levels`` runs, and its ``ext`` table (see ``_fill``); or all levels and None. On
+        ``_shared_levels`` runs, and its ``ext`` table (see ``fill_image``); or all levels and None. On
         the host only: ``_commit_external`` hands the level to FlashInfer once the plan is accepted."""
         causal = [level.causal for level in plan.levels]
         external, ext = self._shared_levels, None
@@ -309,9 +258,9 @@ class TritonBackend(AttentionBackend):
         tiles, works, splits = self._schedule(plan, levels, causal, None, self.kv_chunk_size)
         self._commit_external(ext)
         pages = sum(level.kv_indices.shape[0] for level in levels)
-        sec = _Sections([w.shape[0] for w in works], pages, len(levels), nq)
+        sec = Sections([w.shape[0] for w in works], pages, len(levels), nq)
         host = self._upload.image(sec.size)
-        merges, num_rows = self._fill(host, sec, works, levels, splits, order, nq, ext)
+        merges, num_rows = fill_image(host, sec, works, levels, splits, order, nq, ext)
         self._ints = self._reuse("ints", sec.size, torch.int32)
         self._upload.copy(self._ints, sec.size)
         self._bind(sec, tiles, exact=True, merges=merges)
@@ -359,7 +308,7 @@ class TritonBackend(AttentionBackend):
             _, works, splits = self._schedule(plan, levels, causal, tiles, self.kv_chunk_size, max_splits)
             items = [w.shape[0] for w in works]
             rows_per_token = splits.sum(axis=0)
-            # As ``_fill`` counts them: a token's one state is its output unless it has FA3 states.
+            # As ``fill_image`` counts them: a token's one state is its output unless it has FA3 states.
             final = rows_per_token == 1 if ext is None else (rows_per_token == 1) & (ext[2] == 0)
             rows = int(rows_per_token.sum() - np.count_nonzero(final))
             if max(items) <= cap.work_items and rows <= cap.partial_rows:
@@ -370,7 +319,7 @@ class TritonBackend(AttentionBackend):
                 f"capacity of {cap.work_items} and {cap.partial_rows}"
             )
         self._commit_external(ext)
-        sec = _Sections([cap.work_items] * len(tiles), cap.max_pages, cap.max_levels, cap.max_query_tokens)
+        sec = Sections([cap.work_items] * len(tiles), cap.max_pages, cap.max_levels, cap.max_query_tokens)
         if self._fixed_shape is None:
             self._ints = torch.zeros(sec.size, dtype=torch.int32, device=self.device)
             self._bind(sec, list(tiles), exact=False, merges=cap.max_query_tokens)
@@ -382,70 +331,11 @@ class TritonBackend(AttentionBackend):
         host[: sec.kv_indices] = 0
         # Merge programs past the plan's merged tokens have no rows and write nothing.
         host[sec.merge_rows : sec.merge_rows + sec.tokens] = -1
-        self._fill(host, sec, works, levels, splits, order, cap.max_query_tokens, ext, cap.max_query_tokens)
+        fill_image(host, sec, works, levels, splits, order, cap.max_query_tokens, ext, cap.max_query_tokens)
         # Stale page ids past this plan's are never read: the copy stops at the last one used.
         self._upload.copy(self._ints, sec.kv_indices + pages)
 
-    def _fill(
-        self,
-        host,
-        sec: _Sections,
-        works,
-        levels,
-        splits,
-        order,
-        token_stride: int,
-        ext: np.ndarray | None = None,
-        merge_slots: int | None = None,
-    ) -> tuple[int, int]:
-        """Write a plan's int sections into ``host`` (work lists, counts, pages, row tables); returns
-        (merged tokens, partial rows). ext: int32 [3, nq], the states each planned token has outside
-        the Triton launches (``SharedLevelsOnFlashInfer.plan``), or None. merge_slots: the merge
-        launch's programs (the row length of the ext table); default the merged tokens."""
-        nq = order.shape[0]
-        for offset, work in zip(sec.work, works, strict=True):
-            host[offset : offset + work.size] = work.reshape(-1)
-        host[sec.num_work : sec.num_work + len(works)] = [w.shape[0] for w in works]
-        at = sec.kv_indices
-        for level in levels:
-            host[at : at + level.kv_indices.shape[0]] = level.kv_indices
-            at += level.kv_indices.shape[0]
-        through = np.cumsum(splits, axis=0)  # a token's rows in the levels up to each
-        rows_per_token = through[-1]
-        # A token's one state is its output only when a Triton launch computes it.
-        final = (rows_per_token == 1) if ext is None else (rows_per_token == 1) & (ext[2] == 0)
-        rows = host[sec.o_rows : sec.o_rows + len(levels) * token_stride].reshape(len(levels), token_stride)
-        host[sec.q_rows : sec.q_rows + nq] = order
-        if final.all():
-            # Every token's one state is its output: o_rows -1 - r sends it to engine row r.
-            rows[:, :nq] = -1 - order
-            return 0, 0
-        # Partial rows for the other tokens only, contiguous per token in planned order; the merge's
-        # programs take those tokens in that order. The three cases (all, some, no tokens with one
-        # state) are kept apart: one np.where path over all of them cost plan 20-40 µs more on a
-        # 2-core EPYC (256 tokens, one or three levels), same int image.
-        some_final = final.any()
-        merged = np.flatnonzero(~final) if some_final else slice(None)
-        counts = rows_per_token[merged]
-        ends = np.cumsum(counts)
-        starts = ends - counts
-        if some_final:
-            first = np.zeros(nq, dtype=np.int64)
-            first[merged] = starts
-            rows[:, :nq] = through - splits + first
-            rows[:, :nq][:, final] = -1 - order[final]
-        else:
-            rows[:, :nq] = through - splits + starts
-        k = counts.shape[0]
-        host[sec.merge_rows : sec.merge_rows + k] = order[merged]
-        host[sec.starts : sec.starts + k] = starts
-        host[sec.counts : sec.counts + k] = counts
-        if ext is not None:
-            slots = merge_slots or k
-            host[sec.ext : sec.ext + 3 * slots].reshape(3, slots)[:, :k] = ext[:, merged]
-        return k, int(ends[-1])
-
-    def _bind(self, sec: _Sections, tiles: list[TileConfig], *, exact: bool, merges: int) -> None:
+    def _bind(self, sec: Sections, tiles: list[TileConfig], *, exact: bool, merges: int) -> None:
         """Views of the int buffer, and the launches with their grids (``merges`` merge programs)."""
         ints = self._ints
         assert ints is not None
