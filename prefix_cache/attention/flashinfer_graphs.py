@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from prefix_cache.attention.kv_layout import flashinfer_page_ids
 from prefix_cache.attention.triton_backend import GraphCapacity
 from prefix_cache.cascade import CascadeLevel
 from prefix_cache.kernels._common import num_sms
@@ -166,16 +167,15 @@ class OneLevelGraphs:
         )
         return heads["num_qo_heads"] * grid * tile * (heads["head_dim"] + 1) * 4 * 5 // 4
 
-    @staticmethod
     def _plan_wrapper(
-        wrapper, qo, kv, indices, last, page_size: int, heads: dict, dtype: torch.dtype, causal: bool
+        self, wrapper, qo, kv, indices, last, page_size: int, heads: dict, dtype: torch.dtype, causal: bool
     ) -> None:
         # Decode (one query per request) sees all of its KV: planned without the causal mask's
         # work, as FlashInfer's decode wrapper does.
         wrapper.plan(
             torch.from_numpy(qo),
             torch.from_numpy(kv),
-            torch.from_numpy(indices),
+            flashinfer_page_ids(indices, self._device),
             torch.from_numpy(last),
             heads["num_qo_heads"],
             heads["num_kv_heads"],

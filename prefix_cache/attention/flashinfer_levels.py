@@ -25,11 +25,12 @@ import numpy as np
 import torch
 
 from prefix_cache.attention.base import reused_buffer
+from prefix_cache.attention.kv_layout import flashinfer_page_ids
 from prefix_cache.kernels._common import num_sms
+from prefix_cache.kernels.work import LevelArrays
 
 if TYPE_CHECKING:
     from prefix_cache.attention.triton_backend import GraphCapacity
-from prefix_cache.kernels.work import LevelArrays
 
 #: FA3's query tile: rows of (query tokens x query heads of one KV head) per program.
 FA3_ROWS = 128
@@ -247,13 +248,12 @@ class SharedLevelsOnFlashInfer:
         self._q_index = torch.zeros(rows, dtype=torch.int64, device=device)
         return self._wrapper
 
-    @staticmethod
-    def _plan_wrapper(wrapper, qo, kv, indices, lasts, shape: tuple) -> None:
+    def _plan_wrapper(self, wrapper, qo, kv, indices, lasts, shape: tuple) -> None:
         hq, hkv, head_dim, page_size, sm_scale, dtype = shape
         wrapper.plan(
             torch.from_numpy(qo),
             torch.from_numpy(kv),
-            torch.from_numpy(indices),
+            flashinfer_page_ids(indices, self._device),
             torch.from_numpy(lasts),
             hq, hkv, head_dim, page_size,
             causal=False, sm_scale=sm_scale, q_data_type=dtype, kv_data_type=dtype,

@@ -6,6 +6,7 @@ contiguous works; ``split_kv_cache`` says which forms are accepted and returns t
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 #: A KV cache: one ``[num_pages, 2, page_size, H, D]`` tensor or a ``(k_cache, v_cache)`` pair.
@@ -16,6 +17,13 @@ def flashinfer_paged(kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor) -> KVC
     """The KV cache as FlashInfer's paged wrappers take it: the 5-D NHD tensor as given, else the
     ``(k, v)`` views of ``split_kv_cache`` (FlashInfer reads their page strides)."""
     return kv_cache if isinstance(kv_cache, torch.Tensor) else (k, v)
+
+
+def flashinfer_page_ids(indices: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Page ids for a FlashInfer wrapper's ``plan``, int32, uploaded without a host sync. On the
+    device already: FlashInfer's CUDA-graph mode copies host page ids into its buffer with a
+    blocking copy (a host sync in every plan), device ones without."""
+    return torch.from_numpy(np.ascontiguousarray(indices, dtype=np.int32)).to(device, non_blocking=True)
 
 
 def split_kv_cache(kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
