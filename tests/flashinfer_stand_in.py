@@ -1,15 +1,16 @@
 """A stand-in for FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper``, for CPU tests of the code that pads
 plans for its CUDA-graph mode (``prefix_cache.attention.flashinfer_graphs``) and of the code that splits
-shared levels into its requests (``prefix_cache.attention.flashinfer_levels``: plain mode, its base-2 LSE).
+shared levels into its requests (``prefix_cache.attention.flashinfer_levels``: both modes, its base-2
+LSE).
 
 It keeps the contract of FlashInfer 0.6.8's wrapper that the padding relies on, from its
-documentation and source: a fixed batch size (``len(qo_indptr_buf) - 1``) that every plan must have,
-a first plan that fixes the most query rows later plans may have, ``run`` taking q with exactly the
-plan's rows, a request's KV length ``max(pages - 1, 0) * page_size + last_page_len`` (its last page
-length 1..page_size, 0 without pages), causal masks aligned bottom-right, zeros for the rows of a
-request without KV, and FA2's split results in the float workspace, sized for the fixed shape
-(``PrefillPlan`` in FlashInfer's scheduler: 2 programs per SM). Attention is computed in
-float64 from the wrapper's own index buffers, request by request.
+documentation and source: in CUDA-graph mode a fixed batch size (``len(qo_indptr_buf) - 1``) that
+every plan must have and a first plan that fixes the most query rows later plans may have; ``run``
+taking q with exactly the plan's rows; a request's KV length ``max(pages - 1, 0) * page_size +
+last_page_len`` (its last page length 1..page_size, 0 without pages); causal masks aligned
+bottom-right; zeros for the rows of a request without KV; and FA2's split results in the float
+workspace, sized for the fixed shape (``PrefillPlan`` in FlashInfer's scheduler: 2 programs per SM).
+Attention is computed in float64 from the wrapper's own index buffers, request by request.
 """
 
 from __future__ import annotations
@@ -48,9 +49,9 @@ class BatchPrefillWithPagedKVCacheWrapper:
             self.qo, self.kv, self.indices, self.last = qo_indptr, kv_indptr, kv_indices, last_page_len
         if qo_indptr.shape[0] - 1 != self.batch:
             raise ValueError(f"batch size {qo_indptr.shape[0] - 1} != fixed {self.batch}")
-        if self.max_rows is None:
+        if self.graph and self.max_rows is None:
             self.max_rows = rows
-        elif rows > self.max_rows:
+        elif self.graph and rows > self.max_rows:
             raise ValueError(f"{rows} rows over the first plan's {self.max_rows}")
         if kv_indices.shape[0] > self.indices.shape[0]:
             raise ValueError("paged_kv_indices over the buffer")
@@ -63,7 +64,8 @@ class BatchPrefillWithPagedKVCacheWrapper:
         if self.backend == "fa2":  # its split results, sized in CUDA-graph mode for the fixed shape
             group = num_qo_heads // num_kv_heads
             tile = 16 if group <= 16 else 64 if group <= 64 else 128
-            grid = max(-(-self.max_rows * group // tile) + self.batch - 1, 2 * NUM_SMS // num_kv_heads)
+            most_rows = self.max_rows if self.graph else rows
+            grid = max(-(-most_rows * group // tile) + self.batch - 1, 2 * NUM_SMS // num_kv_heads)
             self.need = need = num_qo_heads * grid * tile * (head_dim + 1) * 4
             if need > self.workspace.numel():
                 raise RuntimeError(f"workspace of {self.workspace.numel()} bytes, {need} needed")

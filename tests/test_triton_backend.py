@@ -378,3 +378,57 @@ def test_a_refused_plan_leaves_the_fixed_buffers_and_flashinfer_level_as_they_we
     torch.testing.assert_close(
         out.double(), reference_attention(q, kv_cache, *a, d**-0.5), atol=3e-3, rtol=3e-3
     )
+
+
+def test_flashinfer_levels_on_random_batches_exact_and_under_a_capacity() -> None:
+    """Random sharing trees, three plans per backend in a row, every shared level the rule admits
+    handed to the stand-in FlashInfer (FA3's base-2 states, chunks of whole pages): an exact backend
+    and a fixed-capacity one (FlashInfer's CUDA-graph mode, padded), each output against the float64
+    reference, whichever levels each plan takes."""
+    import flashinfer_stand_in
+    from cascade_batches import batches
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from prefix_cache.attention.flashinfer_levels import LevelRule, SharedLevelsOnFlashInfer
+
+    small = batches(max_page_size=4, max_conversations=2, max_samples=3, max_segment_pages=3, max_qo_len=3)
+
+    @settings(max_examples=12, deadline=None)
+    @given(data=st.data(), drawn=st.lists(small, min_size=3, max_size=3))
+    def check(data: st.DataObject, drawn) -> None:
+        hq, hkv = data.draw(st.sampled_from([(2, 1), (4, 2), (4, 4)]), label="heads")
+        split = data.draw(st.integers(1, 8), label="min_split_tokens")
+        rule = LevelRule(min_rows=1, min_kv_tokens=1, min_work=1, min_split_tokens=split)
+        d, planner = 64, CascadePlanner(min_shared_tokens=1, min_saved_tokens=0, max_levels=3)
+        plans = [planner.plan(b.block_tables, b.kv_lens, b.qo_lens, b.page_size) for b in drawn]
+        capacity = GraphCapacity(
+            max_query_tokens=max(max(p.num_query_tokens for p in plans), 1),
+            max_pages=max(max(sum(lv.kv_indices.shape[0] for lv in p.levels) for p in plans), 1),
+            max_levels=3,
+        )
+        backends = []
+        for cap in (None, capacity):
+            backend = TritonBackend(DEVICE, capacity=cap)
+            backend._shared_levels = SharedLevelsOnFlashInfer(
+                flashinfer_stand_in, torch.device(DEVICE), rule, capacity=cap
+            )
+            backends.append(backend)
+        generator = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1), label="seed"))
+        for batch, plan in zip(drawn, plans, strict=True):
+            if plan.num_query_tokens == 0:
+                continue
+            q = torch.randn(plan.num_query_tokens, hq, d, generator=generator).half().to(DEVICE)
+            kv_cache = torch.randn(batch.num_pages, 2, batch.page_size, hkv, d, generator=generator)
+            kv_cache = kv_cache.half().to(DEVICE)
+            tables, kv_lens, qo_lens = batch.block_tables, batch.kv_lens, batch.qo_lens
+            expected = reference_attention(q, kv_cache, tables, kv_lens, qo_lens, d**-0.5)
+            for backend in backends:
+                if backend.capacity is not None and batch.page_size != plans[0].page_size:
+                    continue  # a fixed-capacity backend keeps its page size
+                backend.plan(plan, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, q_dtype=torch.float16)
+                out = torch.full_like(q, float("nan"))
+                backend.run(q, kv_cache, out=out)
+                torch.testing.assert_close(out.double(), expected, atol=3e-3, rtol=3e-3)
+
+    check()
