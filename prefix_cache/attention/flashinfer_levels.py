@@ -196,11 +196,7 @@ class SharedLevelsOnFlashInfer:
         self._plan_wrapper(self._make(shape, fixed), *arrays, shape)
         self._bind_buffers(rows, shape)
         # No host sync: the copy is ordered after the kernels that read the previous rows.
-        q_index_t = torch.from_numpy(q_index)
-        if fixed is None:
-            self._q_index = q_index_t.to(self._device, non_blocking=True)
-        else:
-            self._q_index.copy_(q_index_t, non_blocking=True)
+        self._q_index.copy_(torch.from_numpy(q_index), non_blocking=True)
 
     def _fixed_sizes(self, num_kv_heads: int, group: int) -> tuple[int, int]:
         """(requests, query rows) of the graph-mode wrapper. ``plan`` gives a group of q query tokens
@@ -245,7 +241,6 @@ class SharedLevelsOnFlashInfer:
         qo[0] = 0
         zeros = np.zeros(requests + 1, dtype=np.int32)
         self._plan_wrapper(self._wrapper, qo, zeros, zeros[:0], zeros[:requests], shape)
-        self._q_index = torch.zeros(rows, dtype=torch.int64, device=device)
         return self._wrapper
 
     def _plan_wrapper(self, wrapper, qo, kv, indices, lasts, shape: tuple) -> None:
@@ -260,10 +255,11 @@ class SharedLevelsOnFlashInfer:
         )  # fmt: skip
 
     def _bind_buffers(self, rows: int, shape: tuple) -> None:
-        """``o``, ``lse`` and the gathered q for ``rows`` FlashInfer query rows (kept, and grown only,
-        across plans: a fixed-capacity backend's are made once, at their final size)."""
+        """``o``, ``lse``, the gathered q and its engine rows for ``rows`` FlashInfer query rows (kept,
+        and grown only, across plans: a fixed-capacity backend's are made once, at their final size)."""
         hq, _, head_dim, _, _, dtype = shape
         buffers, device = self._buffers, self._device
+        self._q_index = reused_buffer(buffers, "q_index", rows, torch.int64, device)
         self.o = reused_buffer(buffers, "o", rows * hq * head_dim, dtype, device).view(rows, hq, head_dim)
         self.lse = reused_buffer(buffers, "lse", rows * hq, torch.float32, device).view(rows, hq)
         self._q = reused_buffer(buffers, "q", rows * hq * head_dim, dtype, device).view(rows, hq, head_dim)

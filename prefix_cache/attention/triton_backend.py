@@ -332,8 +332,9 @@ class TritonBackend(AttentionBackend):
         # Merge programs past the plan's merged tokens have no rows and write nothing.
         host[sec.merge_rows : sec.merge_rows + sec.tokens] = -1
         fill_image(host, sec, works, levels, splits, order, cap.max_query_tokens, ext, cap.max_query_tokens)
-        # Stale page ids past this plan's are never read: the copy stops at the last one used.
-        self._upload.copy(self._ints, sec.kv_indices + pages)
+        # Stale page ids past this plan's are never read: the copy stops at the last one used (of the
+        # levels left to the Triton launches).
+        self._upload.copy(self._ints, sec.kv_indices + sum(level.kv_indices.shape[0] for level in levels))
 
     def _bind(self, sec: Sections, tiles: list[TileConfig], *, exact: bool, merges: int) -> None:
         """Views of the int buffer, and the launches with their grids (``merges`` merge programs)."""
