@@ -67,11 +67,14 @@ def tile_config(max_rows: int, group_size: int, head_dim: int, page_size: int) -
     # batches, 4-7% more on a few small one-level batches; pages of 1 token lost 22% and keep three).
     # Tiles of 128 rows read 128 KV tokens per step in two stages: 10-14% less GPU time on prefill
     # and on the long shared prefix, the same elsewhere. benchmarks/NOTES.md, attempts 7 and 8.
+    # Head dims over 128 read 32 KV tokens per step, except decode tiles, which read 64: 26-33% less
+    # GPU time on long d256 decodes, 4% on short ones; 64 on the wider tiles cost d256 prefill 8-31%
+    # (attempt 21).
     wide = block_m >= 128
     stages = 2 if block_d > 128 or wide or (block_m <= 16 and page_size >= 16) else 3
     return TileConfig(
         block_m=block_m,
-        block_n=(128 if wide else 64) if block_d <= 128 else 32,
+        block_n=(128 if wide else 64) if block_d <= 128 or block_m <= 16 else 32,
         num_warps=8 if block_m >= 128 else 4,
         num_stages=stages,
     )

@@ -675,6 +675,8 @@ def test_gpu_triton_backend_relaunches_for_each_layout():
         (9, 3, 128, 1, torch.float16),
         (8, 1, 128, 16, torch.bfloat16),
         (16, 2, 96, 3, torch.bfloat16),
+        (16, 8, 256, 16, torch.bfloat16),
+        (8, 2, 256, 1, torch.float16),
     ],
 )
 @pytest.mark.parametrize("causal", [False, True])

@@ -258,6 +258,8 @@ def test_a_tile_holds_a_token_of_every_query_head_of_a_group(
     if interpret == "0":  # the GPU tiles: 128 rows at most for head_dim 128, 64 above (registers)
         assert tile_config(1 << 20, 1, 128, 16).block_m == 128
         assert tile_config(1 << 20, 1, 256, 16).block_m == 64
+        # Head dim 256: decode tiles read 64 KV tokens per step, wider tiles 32 (an H200 sweep).
+        assert [tile_config(rows, 2, 256, 16).block_n for rows in (2, 64)] == [64, 32]
 
 
 def test_levels_work_rejects_a_zero_chunk() -> None:
