@@ -225,7 +225,8 @@ def test_prefill_cascade_with_an_fa3_level_takes_the_triton_route() -> None:
     plan = CascadePlanner(min_shared_tokens=1, min_saved_tokens=0).plan(tables, kv_lens, qo_lens, page)
     assert len(plan.levels) == 2
     heads = dict(num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, q_dtype=torch.float16)
-    for work, route in ((1, "triton+fa3"), (22 * 36 + 1, "flashinfer")):  # the level: 22 rows x 36 tokens
+    # The level: 22 rows x 36 tokens x 2 KV heads.
+    for work, route in ((22 * 36 * hkv, "triton+fa3"), (22 * 36 * hkv + 1, "flashinfer")):
         routing = Routing(prefill_min_tokens=4, prefill_tokens=4)
         backend = create_backend("auto", device=device, routing=routing)
         backend._fi_module = flashinfer_stand_in  # FlashInfer is only looked for on CUDA

@@ -202,11 +202,40 @@ def _split_levels_backend(rule=None):
 
     from prefix_cache.attention.flashinfer_levels import LevelRule, SharedLevelsOnFlashInfer
 
-    # min_work: exactly the short prefix's 4 query rows x 12 tokens in the first test.
-    rule = rule or LevelRule(min_rows=4, min_kv_tokens=12, min_work=4 * 12, min_split_tokens=8)
+    # min_work: exactly the short prefix's 4 query rows x 12 tokens x 2 KV heads in the first test.
+    rule = rule or LevelRule(min_rows=4, min_kv_tokens=12, min_work=4 * 12 * 2, min_split_tokens=8)
     backend = TritonBackend(device=DEVICE, kv_chunk_size=8)
     backend._shared_levels = SharedLevelsOnFlashInfer(flashinfer_stand_in, torch.device(DEVICE), rule)
     return backend
+
+
+@pytest.mark.parametrize(
+    ("hq", "hkv", "prefix", "queries", "taken"),
+    [
+        (32, 8, 32768, 128, True),  # 512 rows per KV head x 32768 tokens x 8 KV heads
+        (32, 8, 4096, 128, False),  # the same rows over 4096 tokens: 1/8 of the work
+        (32, 1, 4096, 64, False),  # MQA: 2048 rows per KV head but one KV head (1.34x slower on FA3)
+    ],
+)
+def test_level_rule_defaults_count_the_work_of_every_kv_head(hq, hkv, prefix, queries, taken) -> None:
+    """The default rule: decodes over one prefix go to FA3 by their query rows x KV tokens x KV heads."""
+    import flashinfer_stand_in
+    from prefix_cache.kernels.work import check_level
+
+    from prefix_cache.attention.flashinfer_levels import SharedLevelsOnFlashInfer
+
+    page = 16
+    tables = [np.r_[np.arange(prefix // page), prefix // page + r] for r in range(queries)]
+    plan = CascadePlanner(min_shared_tokens=1, min_saved_tokens=0).plan(
+        tables, [prefix + 5] * queries, [1] * queries, page
+    )
+    levels = [
+        check_level(lv.qo_indptr, lv.kv_indptr, lv.kv_indices, lv.kv_last_page_len, page)
+        for lv in plan.levels
+    ]
+    fa3 = SharedLevelsOnFlashInfer(flashinfer_stand_in, torch.device("cpu"))
+    got = fa3.take(levels, [lv.causal for lv in plan.levels], (hq, hkv), 128, torch.bfloat16)
+    assert got == (0 if taken else None)
 
 
 def test_shared_levels_split_into_flashinfer_requests_merge_with_our_levels() -> None:
@@ -240,13 +269,13 @@ def test_shared_levels_split_into_flashinfer_requests_merge_with_our_levels() ->
     torch.testing.assert_close(out.double(), expected, atol=3e-3, rtol=3e-3)
 
     # Nothing taken: float32 q (FA3 takes fp16 / bf16), a group under the rule's length, one under
-    # its work (the short prefix: 4 query rows x 12 tokens), head dim 16.
+    # its work (the short prefix: 4 query rows x 12 tokens x 2 KV heads), head dim 16.
     from prefix_cache.attention.flashinfer_levels import LevelRule
 
     for dtype, rule, dim in (
         (torch.float32, None, d),
         (torch.float16, LevelRule(min_rows=4, min_kv_tokens=16, min_work=1), d),
-        (torch.float16, LevelRule(min_rows=4, min_kv_tokens=12, min_work=4 * 12 + 1), d),
+        (torch.float16, LevelRule(min_rows=4, min_kv_tokens=12, min_work=4 * 12 * hkv + 1), d),
         (torch.float16, None, 16),
     ):
         backend = _split_levels_backend(rule)

@@ -194,8 +194,8 @@ class AutoBackend(AttentionBackend):
             for lv in plan.levels
         ]
         causal = [lv.causal for lv in plan.levels]
-        group = self.num_qo_heads // self.num_kv_heads
-        return shared.take(levels, causal, group, self.head_dim, self.dtype) is not None
+        heads = (self.num_qo_heads, self.num_kv_heads)
+        return shared.take(levels, causal, heads, self.head_dim, self.dtype) is not None
 
     def _run(self, plan, q, kv_cache, k, v, out) -> None:
         if self.route.startswith("triton"):

@@ -42,19 +42,21 @@ FA3_HEAD_DIMS = (64, 128, 256)
 class LevelRule:
     """Which shared levels run on FlashInfer's FA3: a non-causal level whose every group (with
     queries and KV) has at least ``min_rows`` query rows per KV head (tokens x GQA group),
-    ``min_kv_tokens`` KV tokens, and ``min_work`` rows x KV tokens. ``min_split_tokens``: the
-    shortest chunk a group's KV is cut into.
+    ``min_kv_tokens`` KV tokens, and ``min_work`` rows x KV tokens x KV heads. ``min_split_tokens``:
+    the shortest chunk a group's KV is cut into.
 
     The defaults are where sweeps on the H200 measured the whole step faster with FA3
     (benchmarks/NOTES.md): one prefix of 2048-32768 tokens x 16-128 decoding requests (attempt 17,
     32/8 heads, d64 and d128): 0.76-0.87x at 512 rows over 16384+ tokens, while at 256 rows or
     fewer it was slower everywhere (1.06-2.2x), FA3's fixed cost dominating; and prefill chunks or
     hundreds of decodes over shorter prefixes (attempt 20), where more rows fill the device
-    without splitting the KV."""
+    without splitting the KV. The work counts every KV head: FA3 runs one program per 128 rows,
+    KV head and chunk, and under MQA (32/1) 64 decodes over 4096 tokens (2048 rows) ran 1.34x
+    slower on it than on the Triton kernels (attempt 21)."""
 
     min_rows: int = 512
     min_kv_tokens: int = 2048
-    min_work: int = 512 * 16384
+    min_work: int = 512 * 16384 * 8
     min_split_tokens: int = 2048
 
     def __post_init__(self) -> None:
@@ -95,16 +97,19 @@ class SharedLevelsOnFlashInfer:
         self.lse: torch.Tensor | None = None  # [rows, Hq] float32, base 2
 
     def take(
-        self, levels: list[LevelArrays], causal: list[bool], group_size: int, head_dim: int, dtype
+        self, levels: list[LevelArrays], causal: list[bool], heads: tuple[int, int], head_dim: int, dtype
     ) -> int | None:
         """The index of the level of ``levels`` (checked index arrays; ``causal`` per level) this
-        runs for q of ``dtype`` and ``head_dim``, or None. One level at most: a token's states here
-        are one run of rows (``plan``'s table), and the last level is left to the Triton kernels,
-        which write every token's own KV. Among the levels the rule admits, the one with the most
-        query x KV work. FA3 takes fp16 and bf16, and the head dims of ``FA3_HEAD_DIMS``."""
+        runs for q of ``dtype``, ``heads`` (query heads, KV heads) and ``head_dim``, or None. One
+        level at most: a token's states here are one run of rows (``plan``'s table), and the last
+        level is left to the Triton kernels, which write every token's own KV. Among the levels the
+        rule admits, the one with the most query x KV work. FA3 takes fp16 and bf16, and the head
+        dims of ``FA3_HEAD_DIMS``."""
         if dtype not in (torch.float16, torch.bfloat16) or head_dim not in FA3_HEAD_DIMS:
             return None
         rule = self.rule
+        num_qo_heads, num_kv_heads = heads
+        group_size = num_qo_heads // num_kv_heads
         best, best_work = None, 0
         for i, (level, is_causal) in enumerate(zip(levels[:-1], causal[:-1], strict=True)):
             used = (level.q_len > 0) & (level.kv_len > 0)
@@ -115,7 +120,7 @@ class SharedLevelsOnFlashInfer:
             if (
                 (rows >= rule.min_rows).all()
                 and (kv_len >= rule.min_kv_tokens).all()
-                and (rows * kv_len >= rule.min_work).all()
+                and (rows * kv_len * num_kv_heads >= rule.min_work).all()
             ):
                 work = int((q_len * kv_len).sum())
                 if work > best_work:

@@ -234,8 +234,8 @@ class TritonBackend(AttentionBackend):
         the host only: ``_commit_external`` hands the level to FlashInfer once the plan is accepted."""
         causal = [level.causal for level in plan.levels]
         external, ext = self._shared_levels, None
-        group = self.num_qo_heads // self.num_kv_heads
-        taken = None if external is None else external.take(levels, causal, group, self.head_dim, self.dtype)
+        heads = (self.num_qo_heads, self.num_kv_heads)
+        taken = None if external is None else external.take(levels, causal, heads, self.head_dim, self.dtype)
         if taken is not None:
             ext = external.plan(
                 levels[taken], plan.levels[taken].kv_last_page_len, order, plan.page_size,
