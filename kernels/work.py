@@ -68,8 +68,8 @@ def tile_config(max_rows: int, group_size: int, head_dim: int, page_size: int) -
     # Tiles of 128 rows read 128 KV tokens per step in two stages: 10-14% less GPU time on prefill
     # and on the long shared prefix, the same elsewhere. benchmarks/NOTES.md, attempts 7 and 8.
     # Head dims over 128 read 32 KV tokens per step, except decode tiles, which read 64: 26-33% less
-    # GPU time on long d256 decodes, 4% on short ones; 64 on the wider tiles cost d256 prefill 8-31%
-    # (attempt 21).
+    # GPU time on long d256 decodes, 4% on 8 x 1024, a shared-prefix cascade within 2%; 64 on the
+    # wider tiles cost d256 prefill 8-31% (attempt 21).
     wide = block_m >= 128
     stages = 2 if block_d > 128 or wide or (block_m <= 16 and page_size >= 16) else 3
     return TileConfig(

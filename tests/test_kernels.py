@@ -15,6 +15,7 @@ import torch
 from prefix_cache.kernels.attention import launch_level, level_attention, plan_level
 from prefix_cache.kernels.kv_append import append_kv
 from prefix_cache.kernels.merge_state import merge_states, merge_states_varlen
+from prefix_cache.kernels.work import tile_config
 
 from prefix_cache.attention.triton_backend import GraphCapacity, TritonBackend
 from prefix_cache.cascade import CascadeLevel, CascadePlan
@@ -694,6 +695,30 @@ def test_gpu_level_attention_shapes(hq, hkv, d, page_size, dtype, causal):
     ref_out, ref_lse = _ref_level(q, kv_cache, qo, kvp, idx, last, causal, d**-0.5)
     # fp32 runs the dots in full fp32 ("ieee"), so it gets the interpreter's tolerance.
     _assert_close(out, lse, ref_out, ref_lse, ATOL[dtype] if dtype != torch.float32 else 1e-4)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("hq", "hkv", "d", "page_size", "dtype"),
+    [(16, 8, 256, 16, torch.bfloat16), (8, 2, 256, 1, torch.float16)],
+)
+def test_gpu_level_attention_decode_tiles(hq, hkv, d, page_size, dtype):
+    """Decode only (one query per group, and one group without queries): the level takes the
+    16-row decode tile, which at head dim 256 reads 64 KV tokens per step; long and ragged KV, so
+    the tile's masked tail and the splits are both exercised."""
+    assert tile_config(hq // hkv, hq // hkv, d, page_size).block_n == 64
+    gen = torch.Generator().manual_seed(d + page_size)
+    groups = [(1, 2300), (1, 63), (0, 40), (1, 1), (1, 700), (1, 129)]
+    lengths = [kv for _, kv in groups]
+    num_pages = sum(-(-n // page_size) for n in lengths) + 10
+    kvp, idx, last = _pages_for(lengths, page_size, num_pages, gen)
+    qo = np.concatenate([[0], np.cumsum([n for n, _ in groups])]).astype(np.int32)
+    kv_cache = torch.randn(num_pages, 2, page_size, hkv, d, generator=gen).to(dtype).cuda()
+    q = torch.randn(int(qo[-1]), hq, d, generator=gen).to(dtype).cuda()
+    out, lse, _ = _run_level(q, kv_cache, (qo, kvp, idx, last), False, d**-0.5, None, dtype)
+    ref_out, ref_lse = _ref_level(q, kv_cache, qo, kvp, idx, last, False, d**-0.5)
+    _assert_close(out, lse, ref_out, ref_lse, ATOL[dtype])
 
 
 @gpu
