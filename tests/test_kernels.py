@@ -683,8 +683,14 @@ def test_gpu_triton_backend_relaunches_for_each_layout():
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_level_attention_shapes(hq, hkv, d, page_size, dtype, causal):
     """Many groups of mixed sizes (decode, prefill chunks, empty), auto splits, GPU block sizes."""
-    gen = torch.Generator().manual_seed(hq * d + page_size)
     groups = [(1, 700), (0, 50), (40, 300), (3, 0), (1, 2500), (130, 130), (7, 1)]
+    _check_gpu_level(groups, hq, hkv, d, page_size, dtype, causal, seed=hq * d + page_size)
+
+
+def _check_gpu_level(groups, hq, hkv, d, page_size, dtype, causal, seed):
+    """One level of ``groups`` ((query tokens, KV tokens) each) over a random paged pool on the GPU,
+    planned and split automatically, against the float64 reference."""
+    gen = torch.Generator().manual_seed(seed)
     lengths = [kv for _, kv in groups]
     num_pages = sum(-(-n // page_size) for n in lengths) + 10
     kvp, idx, last = _pages_for(lengths, page_size, num_pages, gen)
@@ -708,17 +714,8 @@ def test_gpu_level_attention_decode_tiles(hq, hkv, d, page_size, dtype):
     16-row decode tile, which at head dim 256 reads 64 KV tokens per step; long and ragged KV, so
     the tile's masked tail and the splits are both exercised."""
     assert tile_config(hq // hkv, hq // hkv, d, page_size).block_n == 64
-    gen = torch.Generator().manual_seed(d + page_size)
     groups = [(1, 2300), (1, 63), (0, 40), (1, 1), (1, 700), (1, 129)]
-    lengths = [kv for _, kv in groups]
-    num_pages = sum(-(-n // page_size) for n in lengths) + 10
-    kvp, idx, last = _pages_for(lengths, page_size, num_pages, gen)
-    qo = np.concatenate([[0], np.cumsum([n for n, _ in groups])]).astype(np.int32)
-    kv_cache = torch.randn(num_pages, 2, page_size, hkv, d, generator=gen).to(dtype).cuda()
-    q = torch.randn(int(qo[-1]), hq, d, generator=gen).to(dtype).cuda()
-    out, lse, _ = _run_level(q, kv_cache, (qo, kvp, idx, last), False, d**-0.5, None, dtype)
-    ref_out, ref_lse = _ref_level(q, kv_cache, qo, kvp, idx, last, False, d**-0.5)
-    _assert_close(out, lse, ref_out, ref_lse, ATOL[dtype])
+    _check_gpu_level(groups, hq, hkv, d, page_size, dtype, False, seed=d + page_size)
 
 
 @gpu
