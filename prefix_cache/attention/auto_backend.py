@@ -37,9 +37,8 @@ import torch
 from prefix_cache.attention.base import AttentionBackend, check_pool, in_engine_order
 from prefix_cache.attention.flashinfer_levels import LevelRule, SharedLevelsOnFlashInfer
 from prefix_cache.attention.kv_layout import flashinfer_paged
-from prefix_cache.attention.triton_backend import GraphCapacity, TritonBackend
+from prefix_cache.attention.triton_backend import GraphCapacity, TritonBackend, checked_levels
 from prefix_cache.cascade import CascadePlan
-from prefix_cache.kernels.work import check_level
 
 
 @dataclass(frozen=True)
@@ -189,13 +188,9 @@ class AutoBackend(AttentionBackend):
         shared = self._triton._shared_levels
         if shared is None:
             return False
-        levels = [
-            check_level(lv.qo_indptr, lv.kv_indptr, lv.kv_indices, lv.kv_last_page_len, plan.page_size)
-            for lv in plan.levels
-        ]
         causal = [lv.causal for lv in plan.levels]
         heads = (self.num_qo_heads, self.num_kv_heads)
-        return shared.take(levels, causal, heads, self.head_dim, self.dtype) is not None
+        return shared.take(checked_levels(plan), causal, heads, self.head_dim, self.dtype) is not None
 
     def _run(self, plan, q, kv_cache, k, v, out) -> None:
         if self.route.startswith("triton"):

@@ -62,6 +62,14 @@ class Upload:
             self._done.record()
 
 
+def output_states(rows_per_token: np.ndarray, ext: np.ndarray | None) -> np.ndarray:
+    """Per planned token (bool [nq]): whether its one state is its output, which a Triton launch
+    writes straight to the engine's row, so it takes no partial row and no merge. ``rows_per_token``:
+    its states in the Triton launches; ``ext``: as in ``fill_image``."""
+    single = rows_per_token == 1
+    return single if ext is None else single & (ext[2] == 0)
+
+
 def fill_image(
     host: np.ndarray,
     sec: Sections,
@@ -87,8 +95,7 @@ def fill_image(
         at += level.kv_indices.shape[0]
     through = np.cumsum(splits, axis=0)  # a token's rows in the levels up to each
     rows_per_token = through[-1]
-    # A token's one state is its output only when a Triton launch computes it.
-    final = (rows_per_token == 1) if ext is None else (rows_per_token == 1) & (ext[2] == 0)
+    final = output_states(rows_per_token, ext)
     rows = host[sec.o_rows : sec.o_rows + len(levels) * token_stride].reshape(len(levels), token_stride)
     host[sec.q_rows : sec.q_rows + nq] = order
     if final.all():

@@ -30,7 +30,7 @@ import torch
 
 from prefix_cache.attention.base import AttentionBackend, check_pool, reused_buffer
 from prefix_cache.attention.kv_layout import flashinfer_paged
-from prefix_cache.attention.plan_image import Sections, Upload, fill_image
+from prefix_cache.attention.plan_image import Sections, Upload, fill_image, output_states
 from prefix_cache.cascade import CascadePlan
 from prefix_cache.kernels._common import LOG2E, interpreting, num_sms
 from prefix_cache.kernels.attention import AttentionLaunch
@@ -38,6 +38,7 @@ from prefix_cache.kernels.merge_state import MergeLaunch
 from prefix_cache.kernels.work import (
     MAX_SPLITS,
     WORK_COLS,
+    LevelArrays,
     TileConfig,
     check_level,
     fixed_tile_configs,
@@ -103,6 +104,14 @@ class _Launch:
     work: torch.Tensor
     num_work: torch.Tensor
     num_programs: int
+
+
+def checked_levels(plan: CascadePlan) -> list[LevelArrays]:
+    """The plan's levels as checked index arrays (``check_level``), in order."""
+    return [
+        check_level(lv.qo_indptr, lv.kv_indptr, lv.kv_indices, lv.kv_last_page_len, plan.page_size)
+        for lv in plan.levels
+    ]
 
 
 class TritonBackend(AttentionBackend):
@@ -177,10 +186,7 @@ class TritonBackend(AttentionBackend):
         if not plan.levels:
             raise ValueError("a cascade plan needs at least one level")
         nq = plan.num_query_tokens
-        levels = [
-            check_level(lv.qo_indptr, lv.kv_indptr, lv.kv_indices, lv.kv_last_page_len, plan.page_size)
-            for lv in plan.levels
-        ]
+        levels = checked_levels(plan)
         for i, level in enumerate(levels):
             if level.num_query_tokens != nq:
                 raise ValueError(f"level {i} covers {level.num_query_tokens} query tokens, the plan has {nq}")
@@ -308,9 +314,7 @@ class TritonBackend(AttentionBackend):
             _, works, splits = self._schedule(plan, levels, causal, tiles, self.kv_chunk_size, max_splits)
             items = [w.shape[0] for w in works]
             rows_per_token = splits.sum(axis=0)
-            # As ``fill_image`` counts them: a token's one state is its output unless it has FA3 states.
-            final = rows_per_token == 1 if ext is None else (rows_per_token == 1) & (ext[2] == 0)
-            rows = int(rows_per_token.sum() - np.count_nonzero(final))
+            rows = int(rows_per_token.sum() - np.count_nonzero(output_states(rows_per_token, ext)))
             if max(items) <= cap.work_items and rows <= cap.partial_rows:
                 break
         else:
