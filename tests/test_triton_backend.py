@@ -12,7 +12,8 @@ from prefix_cache.cascade import CascadeLevel, CascadePlan
 from prefix_cache.cascade_planner import CascadePlanner
 
 pytest.importorskip("triton")
-from prefix_cache.attention.triton_backend import GraphCapacity, TritonBackend
+from prefix_cache.attention import triton_backend
+from prefix_cache.attention.triton_backend import SHARED_ON_NARROW_ROWS, GraphCapacity, TritonBackend
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HEADS = dict(num_qo_heads=2, num_kv_heads=1, head_dim=16)
@@ -113,23 +114,62 @@ def test_a_new_plan_is_run_with_its_own_launches() -> None:
         torch.testing.assert_close(backend.run(q, kv_cache).double(), expected, atol=2e-5, rtol=2e-5)
 
 
+def _shared_batch(requests: int):
+    """(tables, kv_lens, qo_lens, cascade plan): ``requests`` decodes over 8 shared pages of 4 tokens,
+    one page of their own each."""
+    tables = [np.concatenate([np.arange(8), [8 + r]]) for r in range(requests)]
+    kv_lens, qo_lens = [35] * requests, [1] * requests
+    planner = CascadePlanner(min_shared_tokens=1, min_saved_tokens=1, cost_model=None)
+    plan = planner.plan(tables, kv_lens, qo_lens, 4)
+    assert len(plan.levels) == 2, "the batch needs a shared level and a unique one"
+    return tables, kv_lens, qo_lens, plan
+
+
 def test_an_exact_plan_launches_its_narrowest_tile_first() -> None:
     """The unique level's decode tile runs before the shared level's wider one (measured faster on
     the H200, benchmarks/NOTES.md attempt 16), and the order leaves the output as it was."""
     gen = torch.Generator().manual_seed(2)
-    kv_cache = torch.randn(40, 2, 4, 1, 16, generator=gen).to(DEVICE)
-    tables = [np.concatenate([np.arange(8), [8 + r]]) for r in range(16)]  # 8 shared pages, 1 own
-    kv_lens, qo_lens = [35] * 16, [1] * 16
-    planner = CascadePlanner(min_shared_tokens=1, min_saved_tokens=1, cost_model=None)
-    plan = planner.plan(tables, kv_lens, qo_lens, 4)
-    assert len(plan.levels) == 2, "the batch needs a shared level and a unique one"
+    group = HEADS["num_qo_heads"] // HEADS["num_kv_heads"]
+    requests = SHARED_ON_NARROW_ROWS // group + 1  # a shared level too tall for the narrow tile
+    tables, kv_lens, qo_lens, plan = _shared_batch(requests)
+    kv_cache = torch.randn(8 + requests, 2, 4, 1, 16, generator=gen).to(DEVICE)
     backend = TritonBackend(device=DEVICE)
     backend.plan(plan, **HEADS)
     rows = [launch.tile.block_m for launch in backend._launches]
     assert len(rows) == 2 and rows == sorted(rows) and rows[0] < rows[1], rows
-    q = torch.randn(16, 2, 16, generator=gen).to(DEVICE)
+    q = torch.randn(requests, 2, 16, generator=gen).to(DEVICE)
     expected = reference_attention(q, kv_cache, tables, kv_lens, qo_lens, 16**-0.5)
     torch.testing.assert_close(backend.run(q, kv_cache).double(), expected, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+@pytest.mark.parametrize("limit", [None, "reads", "slots"])
+def test_a_prefix_shared_by_few_requests_runs_in_the_decode_launch(
+    fixed: bool, limit: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shared level of at most SHARED_ON_NARROW_ROWS rows per group runs on the decode tile, in
+    one launch with the unique level (exact plans and the fixed pair alike); one row more, KV re-reads
+    over SHARED_ON_NARROW_READS, or a launch past one wave of resident programs, and it takes a wider
+    tile of its own. The output is the reference's either way."""
+    gen = torch.Generator().manual_seed(3)
+    group = HEADS["num_qo_heads"] // HEADS["num_kv_heads"]
+    fits = SHARED_ON_NARROW_ROWS // group
+    # The shared level on 16-row tiles: ceil(fits / 8) M tiles, each reading 32 tokens of K and V.
+    reads = -(-fits // (16 // group)) * 32 * HEADS["num_kv_heads"] * HEADS["head_dim"] * 2
+    monkeypatch.setattr(triton_backend, "SHARED_ON_NARROW_READS", reads - (limit == "reads"))
+    if limit == "slots":  # 1 SM x 4 resident decode programs, fewer than the unique level's 32
+        monkeypatch.setattr(triton_backend, "num_sms", lambda device: 1)
+    batches = ((fits, 1 if limit is None else 2),) + (((fits + 1, 2),) if limit is None else ())
+    for requests, launches in batches:
+        tables, kv_lens, qo_lens, plan = _shared_batch(requests)
+        kv_cache = torch.randn(8 + requests, 2, 4, 1, 16, generator=gen).to(DEVICE)
+        capacity = GraphCapacity(max_query_tokens=requests, max_pages=8 + requests, max_levels=2)
+        backend = TritonBackend(device=DEVICE, capacity=capacity if fixed else None)
+        backend.plan(plan, **HEADS)
+        assert sum(int(launch.num_work.item()) > 0 for launch in backend._launches) == launches
+        q = torch.randn(requests, 2, 16, generator=gen).to(DEVICE)
+        expected = reference_attention(q, kv_cache, tables, kv_lens, qo_lens, 16**-0.5)
+        torch.testing.assert_close(backend.run(q, kv_cache).double(), expected, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors outside the interpreter")

@@ -47,6 +47,15 @@ from prefix_cache.kernels.work import (
     tile_config,
 )
 
+# A shared (non-causal) level joins the decode tokens' launch on the narrow tile when it has at most
+# SHARED_ON_NARROW_ROWS rows per group, its narrow M tiles read at most SHARED_ON_NARROW_READS KV
+# elements (K and V, each M tile reading the level's KV again, from L2 when they run side by side)
+# and the launch still fits in one wave of resident programs. It saves a launch and parallelises a
+# level of few programs 2-4x; longer or busier levels lose more to the re-reads (an H200 sweep:
+# -7% to -38% on 2-8 KV heads over 2-4k tokens, +28-56% over 8-32k; benchmarks/NOTES.md, attempt 22).
+SHARED_ON_NARROW_ROWS = 64
+SHARED_ON_NARROW_READS = 1 << 25
+
 
 def persistent_waves(tile: TileConfig) -> int:
     """Waves of the device's resident programs a fixed-capacity launch of ``tile`` runs; they loop
@@ -203,12 +212,37 @@ class TritonBackend(AttentionBackend):
         if self.dtype is not None:
             self._bind_launches(self.dtype, plan.page_size)
 
-    def _tile_for(self, level, tiles: tuple[TileConfig, ...] | None, page_size: int) -> TileConfig:
+    def _level_tiles(
+        self,
+        levels: list[LevelArrays],
+        causal: list[bool],
+        tiles: tuple[TileConfig, ...] | None,
+        page_size: int,
+    ) -> list[TileConfig]:
+        """Each level's tile: its own (``tile_config`` of its largest group's rows), or with ``tiles``
+        the narrowest of them that holds those rows. A small shared level runs on the plan's narrowest
+        tile instead, in the decode tokens' launch (see ``SHARED_ON_NARROW_ROWS``)."""
         group = self.num_qo_heads // self.num_kv_heads
-        rows = level.max_rows_per_group * group
+        rows = [level.max_rows_per_group * group for level in levels]
         if tiles is None:
-            return tile_config(rows, group, self.head_dim, page_size)
-        return next((tile for tile in tiles if rows <= tile.block_m), tiles[-1])
+            own = [tile_config(r, group, self.head_dim, page_size) for r in rows]
+        else:
+            own = [next((tile for tile in tiles if r <= tile.block_m), tiles[-1]) for r in rows]
+        narrow = tiles[0] if tiles is not None else min(own, key=lambda tile: tile.block_m)
+        tile_q = narrow.block_m // group
+        m_tiles = [-(-level.q_len // tile_q) for level in levels]
+        programs = sum(int(m.sum()) for m, tile in zip(m_tiles, own, strict=True) if tile == narrow)
+        programs *= self.num_kv_heads
+        slots = num_sms(self.device) * narrow.resident_per_sm()
+        chosen = []
+        for level, tile, r, m, is_causal in zip(levels, own, rows, m_tiles, causal, strict=True):
+            extra = int(m.sum()) * self.num_kv_heads
+            reads = int(m @ level.kv_len) * self.num_kv_heads * self.head_dim * 2
+            small = not is_causal and r <= SHARED_ON_NARROW_ROWS and reads <= SHARED_ON_NARROW_READS
+            if tile != narrow and small and programs + extra <= slots:
+                tile, programs = narrow, programs + extra
+            chosen.append(tile)
+        return chosen
 
     def _schedule(self, plan, levels, causal, tiles, kv_chunk_size, max_splits=MAX_SPLITS):
         """Work items of ``levels`` (``causal`` per level), one list per tile, longest first: (tiles,
@@ -216,7 +250,7 @@ class TritonBackend(AttentionBackend):
         narrowest first; else the fixed (narrow, wide) pair, both listed (with no items if no level
         uses one)."""
         group = self.num_qo_heads // self.num_kv_heads
-        level_tiles = [self._tile_for(level, tiles, plan.page_size) for level in levels]
+        level_tiles = self._level_tiles(levels, causal, tiles, plan.page_size)
         # Narrow launches (the unique level's decode) before wide ones (shared prefixes), as the
         # fixed pair runs: an H200 sweep measured 5-15% less GPU time on several shared batches and no
         # batch slower (benchmarks/NOTES.md, attempt 16).
