@@ -3,7 +3,7 @@
 ``plan`` cuts every level into work items (``prefix_cache.kernels.work``), groups the items of all
 levels by tile shape into one launch per shape, and uploads everything (work lists, page ids, row
 tables) into one int32 device buffer with a single copy. ``run`` then only checks the layer's
-tensors and launches: one attention launch per tile shape (usually one or two), then one merge
+tensors and launches: one attention launch per tile shape (one or two), then one merge
 launch. A query token with one partial state in all (one level's KV, unsplit) writes its output
 straight to its engine-order row. Every (level, split) of any other token writes a partial (out,
 lse) row into one float32 buffer, the token's rows contiguous; the merge combines them and writes
@@ -219,16 +219,20 @@ class TritonBackend(AttentionBackend):
         tiles: tuple[TileConfig, ...] | None,
         page_size: int,
     ) -> list[TileConfig]:
-        """Each level's tile: its own (``tile_config`` of its largest group's rows), or with ``tiles``
-        the narrowest of them that holds those rows. A small shared level runs on the plan's narrowest
-        tile instead, in the decode tokens' launch (see ``SHARED_ON_NARROW_ROWS``)."""
+        """Each level's tile: the narrower of a (narrow, wide) pair that holds its largest group's
+        rows. The pair is ``tiles`` under a capacity, else the narrowest and widest of the levels' own
+        tiles (``tile_config``), so an exact plan runs at most two attention launches, as the fixed
+        pair does: a level between the two runs on the wide tile (under the fixed pair the four-level
+        batch ran 17% faster than its exact plan's three launches, the system-prompt batch 2% slower;
+        benchmarks/NOTES.md, attempt 22). A small shared level runs
+        on the narrow tile instead, in the decode tokens' launch (see ``SHARED_ON_NARROW_ROWS``)."""
         group = self.num_qo_heads // self.num_kv_heads
         rows = [level.max_rows_per_group * group for level in levels]
         if tiles is None:
             own = [tile_config(r, group, self.head_dim, page_size) for r in rows]
-        else:
-            own = [next((tile for tile in tiles if r <= tile.block_m), tiles[-1]) for r in rows]
-        narrow = tiles[0] if tiles is not None else min(own, key=lambda tile: tile.block_m)
+            tiles = (min(own, key=lambda tile: tile.block_m), max(own, key=lambda tile: tile.block_m))
+        own = [next((tile for tile in tiles if r <= tile.block_m), tiles[-1]) for r in rows]
+        narrow = tiles[0]
         tile_q = narrow.block_m // group
         m_tiles = [-(-level.q_len // tile_q) for level in levels]
         programs = sum(int(m.sum()) for m, tile in zip(m_tiles, own, strict=True) if tile == narrow)
@@ -246,9 +250,9 @@ class TritonBackend(AttentionBackend):
 
     def _schedule(self, plan, levels, causal, tiles, kv_chunk_size, max_splits=MAX_SPLITS):
         """Work items of ``levels`` (``causal`` per level), one list per tile, longest first: (tiles,
-        [work per tile], splits [levels, nq]). ``tiles`` None: each level's own tile, the launches
-        narrowest first; else the fixed (narrow, wide) pair, both listed (with no items if no level
-        uses one)."""
+        [work per tile], splits [levels, nq]). ``tiles`` None: the plan's own pair (``_level_tiles``),
+        the launches narrowest first; else the fixed (narrow, wide) pair, both listed (with no items
+        if no level uses one)."""
         group = self.num_qo_heads // self.num_kv_heads
         level_tiles = self._level_tiles(levels, causal, tiles, plan.page_size)
         # Narrow launches (the unique level's decode) before wide ones (shared prefixes), as the
