@@ -107,7 +107,9 @@ class LevelArrays:
 
     @property
     def max_rows_per_group(self) -> int:
-        return int(self.q_len.max(initial=0))
+        """Query tokens of the largest group with KV: the most a tile must hold (a group without KV
+        runs no program; the planner gathers a level's requests that do not share it into one)."""
+        return int(self.q_len[self.kv_len > 0].max(initial=0))
 
 
 def _as_int_array(name: str, a: np.ndarray | torch.Tensor, *, widen: bool = True) -> np.ndarray:

@@ -170,34 +170,83 @@ def test_an_exact_plan_runs_at_most_two_attention_launches(monkeypatch: pytest.M
     torch.testing.assert_close(backend.run(q, kv_cache).double(), expected, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("kv_heads", [1, 2])
 @pytest.mark.parametrize("fixed", [False, True])
 @pytest.mark.parametrize("limit", [None, "reads", "slots"])
 def test_a_prefix_shared_by_few_requests_runs_in_the_decode_launch(
-    fixed: bool, limit: str | None, monkeypatch: pytest.MonkeyPatch
+    kv_heads: int, fixed: bool, limit: str | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A shared level of at most SHARED_ON_NARROW_ROWS rows per group runs on the decode tile, in
-    one launch with the unique level (exact plans and the fixed pair alike); one row more, KV re-reads
+    one launch with the unique level (exact plans and the fixed pair alike); one row more, KV reads
     over SHARED_ON_NARROW_READS, or a launch past one wave of resident programs, and it takes a wider
     tile of its own. The output is the reference's either way."""
     gen = torch.Generator().manual_seed(3)
-    group = HEADS["num_qo_heads"] // HEADS["num_kv_heads"]
-    fits = SHARED_ON_NARROW_ROWS // group
-    # The shared level on 16-row tiles: ceil(fits / 8) M tiles, each reading 32 tokens of K and V.
-    reads = -(-fits // (16 // group)) * 32 * HEADS["num_kv_heads"] * HEADS["head_dim"] * 2
+    heads = dict(num_qo_heads=2 * kv_heads, num_kv_heads=kv_heads, head_dim=16)
+    fits = SHARED_ON_NARROW_ROWS // 2
+    # The shared level on 16-row tiles: ceil(fits / 8) M tiles per KV head, each reading 32 tokens of
+    # K and V.
+    reads = -(-fits // 8) * 32 * kv_heads * 16 * 2
     monkeypatch.setattr(triton_backend, "SHARED_ON_NARROW_READS", reads - (limit == "reads"))
-    if limit == "slots":  # 1 SM x 4 resident decode programs, fewer than the unique level's 32
+    if limit == "slots":  # 1 SM x 4 resident decode programs, fewer than the unique level's 32+
         monkeypatch.setattr(triton_backend, "num_sms", lambda device: 1)
     batches = ((fits, 1 if limit is None else 2),) + (((fits + 1, 2),) if limit is None else ())
     for requests, launches in batches:
         tables, kv_lens, qo_lens, plan = _shared_batch(requests)
-        kv_cache = torch.randn(8 + requests, 2, 4, 1, 16, generator=gen).to(DEVICE)
+        kv_cache = torch.randn(8 + requests, 2, 4, kv_heads, 16, generator=gen).to(DEVICE)
         capacity = GraphCapacity(max_query_tokens=requests, max_pages=8 + requests, max_levels=2)
         backend = TritonBackend(device=DEVICE, capacity=capacity if fixed else None)
-        backend.plan(plan, **HEADS)
+        backend.plan(plan, **heads)
         assert sum(int(launch.num_work.item()) > 0 for launch in backend._launches) == launches
-        q = torch.randn(requests, 2, 16, generator=gen).to(DEVICE)
+        q = torch.randn(requests, 2 * kv_heads, 16, generator=gen).to(DEVICE)
         expected = reference_attention(q, kv_cache, tables, kv_lens, qo_lens, 16**-0.5)
         torch.testing.assert_close(backend.run(q, kv_cache).double(), expected, atol=2e-5, rtol=2e-5)
+
+
+def test_a_causal_level_keeps_its_own_tile() -> None:
+    """Only shared (non-causal) levels join the narrow launch: a unique level of 64 rows (a 32-token
+    prefill beside 8 decodes) next to a narrower shared level keeps its own, wider tile. The
+    prefill request shares nothing, so the shared level's rows are its 8 decodes' alone."""
+    gen = torch.Generator().manual_seed(5)
+    tables = [np.r_[np.arange(8), [8 + r]] for r in range(8)] + [np.arange(20, 30)]
+    kv_lens, qo_lens = [35] * 8 + [40], [1] * 8 + [32]
+    planner = CascadePlanner(min_shared_tokens=1, min_saved_tokens=1, cost_model=None)
+    plan = planner.plan(tables, kv_lens, qo_lens, 4)
+    assert [level.causal for level in plan.levels] == [False, True]
+    backend = TritonBackend(device=DEVICE)
+    backend.plan(plan, **HEADS)
+    assert len(backend._launches) == 2
+    kv_cache = torch.randn(30, 2, 4, 1, 16, generator=gen).to(DEVICE)
+    q = torch.randn(40, 2, 16, generator=gen).to(DEVICE)
+    expected = reference_attention(q, kv_cache, tables, kv_lens, qo_lens, 16**-0.5)
+    torch.testing.assert_close(backend.run(q, kv_cache).double(), expected, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_levels_join_the_narrow_launch_while_its_wave_has_room(
+    kv_heads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two small shared levels (a root shared by 24 decodes, two branches of 12), 28 resident decode
+    programs per KV head: the unique level's 24 M tiles and the root's 3 fit, the branches' 4 more do
+    not, so the branches run on the plan's wide tile."""
+    monkeypatch.setattr(triton_backend, "num_sms", lambda device: 7 * kv_heads)  # x 4 decode programs
+    gen = torch.Generator().manual_seed(6)
+    heads = dict(num_qo_heads=2 * kv_heads, num_kv_heads=kv_heads, head_dim=16)
+    requests = 24
+    tables = [np.r_[np.arange(8), np.arange(8, 12) + 4 * (r // 12), [16 + r]] for r in range(requests)]
+    kv_lens, qo_lens = [4 * 12 + 3] * requests, [1] * requests
+    planner = CascadePlanner(min_shared_tokens=1, min_saved_tokens=1, cost_model=None)
+    plan = planner.plan(tables, kv_lens, qo_lens, 4)
+    assert len(plan.levels) == 3, "the batch needs a root, a branch and a unique level"
+    backend = TritonBackend(device=DEVICE)
+    backend.plan(plan, **heads)
+    items = [(launch.tile.block_m, int(launch.num_work.item())) for launch in backend._launches]
+    # Narrow: 24 unique items + 3 root M tiles (unsplit); wide (the root's own tile): the branches'
+    # 2 groups.
+    assert items == [(16, 27), (items[1][0], 2)] and items[1][0] > 16, items
+    kv_cache = torch.randn(16 + requests, 2, 4, kv_heads, 16, generator=gen).to(DEVICE)
+    q = torch.randn(requests, 2 * kv_heads, 16, generator=gen).to(DEVICE)
+    expected = reference_attention(q, kv_cache, tables, kv_lens, qo_lens, 16**-0.5)
+    torch.testing.assert_close(backend.run(q, kv_cache).double(), expected, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors outside the interpreter")

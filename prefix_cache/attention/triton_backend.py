@@ -49,10 +49,11 @@ from prefix_cache.kernels.work import (
 
 # A shared (non-causal) level joins the decode tokens' launch on the narrow tile when it has at most
 # SHARED_ON_NARROW_ROWS rows per group, its narrow M tiles read at most SHARED_ON_NARROW_READS KV
-# elements (K and V, each M tile reading the level's KV again, from L2 when they run side by side)
-# and the launch still fits in one wave of resident programs. It saves a launch and parallelises a
-# level of few programs 2-4x; longer or busier levels lose more to the re-reads (an H200 sweep:
-# -7% to -38% on 2-8 KV heads over 2-4k tokens, +28-56% over 8-32k; benchmarks/NOTES.md, attempt 22).
+# elements (K and V over all KV heads, each M tile reading the level's KV, from L2 when they run side
+# by side) and the launch's M tiles, unsplit, fit in one wave of resident programs. It saves a launch
+# in an exact plan, and in any plan runs a level of few programs on 2-4x as many. Longer or busier
+# levels lose more to the extra reads. An H200 sweep: -13% to -38% on 2-8 KV
+# heads over 2-4k tokens, +3% to +56% over 8-32k (benchmarks/NOTES.md, attempt 22).
 SHARED_ON_NARROW_ROWS = 64
 SHARED_ON_NARROW_READS = 1 << 25
 
@@ -234,7 +235,7 @@ class TritonBackend(AttentionBackend):
         own = [next((tile for tile in tiles if r <= tile.block_m), tiles[-1]) for r in rows]
         narrow = tiles[0]
         tile_q = narrow.block_m // group
-        m_tiles = [-(-level.q_len // tile_q) for level in levels]
+        m_tiles = [-(-level.q_len // tile_q) * (level.kv_len > 0) for level in levels]  # groups with KV
         programs = sum(int(m.sum()) for m, tile in zip(m_tiles, own, strict=True) if tile == narrow)
         programs *= self.num_kv_heads
         slots = num_sms(self.device) * narrow.resident_per_sm()
