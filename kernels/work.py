@@ -25,6 +25,9 @@ from prefix_cache.kernels._common import cdiv, interpreting, next_pow2
 # sends the token's only state, its output, to row r of the final output).
 Q0, Q1, PAGE0, KV0, KV1, SPLIT, DIAG, OROW = range(8)
 WORK_COLS = 8
+# levels_work's rows per group: a work item's columns, then these (see there).
+_ROW_COLS = WORK_COLS + 7
+_TILE_Q, _LEVEL, _NEG_TILE_Q, _BLOCK_N, _NEG_BLOCK_N, _NEG_CHUNK, _FIRST_ITEM = range(WORK_COLS, _ROW_COLS)
 
 #: DIAG of a non-causal item: every KV position is visible to every query.
 NO_MASK = 1 << 30
@@ -264,53 +267,71 @@ def levels_work(
         raise ValueError(
             f"{len(levels)} levels need as many causal flags and tiles, got {len(causal)} and {len(tiles)}"
         )
+    # Every array here is a few hundred entries: numpy's cost per call (1-2 µs) is the cost, so the
+    # work is laid out for few calls. One row per group holds the item columns, then per-level
+    # constants (M tile in query tokens, level, KV tile; the M tile, KV tile and split chunk also
+    # negated, for ceilings as -(a // -b)) and the group's first item; it is repeated once per item.
+    # A level's constants are one row of ``per_level`` repeated over its groups (DIAG: NO_MASK when
+    # not causal, replaced by the diagonal below when causal).
     groups = [level.kv_len.shape[0] for level in levels]
-    q_len = np.concatenate([level.q_len for level in levels])
-    kv_len = np.concatenate([level.kv_len for level in levels])
-    # Per level: M tile (query tokens), KV tile, split chunk, OROW, first page, causal, its index; one
-    # row each, repeated per group.
-    per_level = np.empty((len(levels), 7), dtype=np.int64)
-    page_base = 0
+    per_level, page_base = [], 0
     for i, (level, tile, is_causal) in enumerate(zip(levels, tiles, causal, strict=True)):
-        tile_q = tile.block_m // group_size
+        row = [0] * _ROW_COLS
+        row[PAGE0], row[OROW], row[_LEVEL] = page_base, i * row_stride, i
+        row[DIAG] = 0 if is_causal else NO_MASK
+        row[_TILE_Q] = tile.block_m // group_size
+        row[_NEG_TILE_Q] = -row[_TILE_Q]
+        row[_BLOCK_N], row[_NEG_BLOCK_N] = tile.block_n, -tile.block_n
+        per_level.append(row)
+        page_base += level.kv_indices.shape[0]
+    rows = np.array(per_level, dtype=np.int64).repeat(groups, axis=0)
+    if len(levels) == 1:
+        q_len, kv_len = levels[0].q_len, levels[0].kv_len
+    else:
+        q_len = np.concatenate([level.q_len for level in levels])
+        kv_len = np.concatenate([level.kv_len for level in levels])
+    neg_m_tiles = q_len // rows[:, _NEG_TILE_Q]  # -(M tiles): 0 for a group without queries
+    m_tiles = -neg_m_tiles
+    neg_chunk = rows[:, _NEG_CHUNK]
+    start = 0
+    for level, tile, n in zip(levels, tiles, groups, strict=True):
         chunk = kv_chunk_size
         if chunk is None:
-            chunk = auto_chunk(level.kv_len, -(-level.q_len // tile_q) * num_kv_heads, tile, sms, max_splits)
-        chunk = min(cdiv(chunk, tile.block_n) * tile.block_n, UNSPLIT)
-        per_level[i] = tile_q, tile.block_n, chunk, i * row_stride, page_base, is_causal, i
-        page_base += level.kv_indices.shape[0]
-    tile_q, block_n, chunk, orow, page0, is_causal, level = np.repeat(per_level, groups, axis=0).T
-    m_tiles = -(-q_len // tile_q)  # 0 for a group without queries: it writes nothing
+            chunk = auto_chunk(level.kv_len, m_tiles[start : start + n] * num_kv_heads, tile, sms, max_splits)
+        neg_chunk[start : start + n] = -min(cdiv(chunk, tile.block_n) * tile.block_n, UNSPLIT)
+        start += n
     # A group without KV gets no program and no partial row: the merge turns "no rows" into out 0
     # and lse -inf. Groups capped at max_splits take longer chunks instead of more splits.
-    splits = np.minimum(-(-kv_len // chunk), max_splits)  # 0 exactly for a group without KV
-    per = -(-kv_len // np.maximum(splits, 1))
-    group_chunk = np.maximum(-(-per // block_n) * block_n, block_n)
-
-    items = splits * m_tiles
-    # One row per group (then its M tile and its level), repeated once per item of the group; KV0 and
-    # SPLIT hold the group's chunk and M-tile count until the item's own values replace them.
-    rows = np.empty((kv_len.shape[0], WORK_COLS + 2), dtype=np.int64)
-    rows[:, Q0] = np.concatenate([level.qo_indptr[:-1] for level in levels])
-    rows[:, Q1] = rows[:, Q0] + q_len
-    rows[:, PAGE0] = np.concatenate([level.kv_indptr[:-1] for level in levels]) + page0
-    rows[:, KV0], rows[:, KV1], rows[:, SPLIT] = group_chunk, kv_len, np.maximum(m_tiles, 1)
-    rows[:, DIAG] = np.where(is_causal != 0, kv_len - rows[:, Q1], NO_MASK)
-    rows[:, OROW], rows[:, WORK_COLS], rows[:, WORK_COLS + 1] = orow, tile_q, level
-    work = np.repeat(rows, items, axis=0)
-    local = np.arange(work.shape[0]) - np.repeat(np.cumsum(items) - items, items)
+    neg_splits = np.maximum(kv_len // neg_chunk, -max_splits)  # 0 exactly for a group without KV
+    items = neg_splits * neg_m_tiles
+    per = kv_len // np.minimum(neg_splits, -1)  # -(tokens per split)
+    # KV0 holds the group's chunk and SPLIT its M-tile count until each item's own values replace them.
+    np.maximum((per // rows[:, _BLOCK_N]) * rows[:, _NEG_BLOCK_N], rows[:, _BLOCK_N], out=rows[:, KV0])
+    np.concatenate([level.qo_indptr[:-1] for level in levels], out=rows[:, Q0])
+    np.add(rows[:, Q0], q_len, out=rows[:, Q1])
+    rows[:, PAGE0] += np.concatenate([level.kv_indptr[:-1] for level in levels])
+    rows[:, KV1] = kv_len
+    np.maximum(m_tiles, 1, out=rows[:, SPLIT])
+    start = 0
+    for is_causal, n in zip(causal, groups, strict=True):
+        if is_causal:
+            group = slice(start, start + n)
+            np.subtract(kv_len[group], rows[group, Q1], out=rows[group, DIAG])
+        start += n
+    np.subtract(items.cumsum(), items, out=rows[:, _FIRST_ITEM])
+    work = rows.repeat(items, axis=0)
+    s = np.arange(work.shape[0]) - work[:, _FIRST_ITEM]  # the item's index in its group
     # m-tiles innermost: the programs that read the same KV chunk run side by side and share it in L2.
-    if (m_tiles > 1).any():
-        s, m = np.divmod(local, work[:, SPLIT])
-        work[:, Q0] += m * work[:, WORK_COLS]
-    else:
-        s = local
-    np.minimum(work[:, Q0] + work[:, WORK_COLS], work[:, Q1], out=work[:, Q1])
-    chunk_end = (s + 1) * work[:, KV0]
-    np.minimum(chunk_end - work[:, KV0], work[:, KV1], out=work[:, KV0])
-    np.minimum(chunk_end, work[:, KV1], out=work[:, KV1])
+    if m_tiles.max(initial=0) > 1:
+        s, m = np.divmod(s, work[:, SPLIT])
+        work[:, Q0] += m * work[:, _TILE_Q]
+    np.minimum(work[:, Q0] + work[:, _TILE_Q], work[:, Q1], out=work[:, Q1])
+    kv0 = s * work[:, KV0]
+    kv1 = kv0 + work[:, KV0]
+    np.minimum(kv0, work[:, KV1], out=work[:, KV0])
+    np.minimum(kv1, work[:, KV1], out=work[:, KV1])
     work[:, SPLIT] = s
-    return work[:, :WORK_COLS], np.repeat(splits, q_len).reshape(len(levels), -1), work[:, WORK_COLS + 1]
+    return work[:, :WORK_COLS], (-neg_splits).repeat(q_len).reshape(len(levels), -1), work[:, _LEVEL]
 
 
 def longest_first(work: np.ndarray, first_by: np.ndarray | None = None) -> np.ndarray:
