@@ -338,5 +338,5 @@ def longest_first(work: np.ndarray, first_by: np.ndarray | None = None) -> np.nd
     """Work items ordered by decreasing KV tokens x query tokens (stable): the long items start first,
     so that the short ones fill in behind them on every SM. ``first_by`` (one int per item): sort by
     it first, ascending (items of one launch together)."""
-    cost = (work[:, KV1] - work[:, KV0]) * (work[:, Q1] - work[:, Q0] + 1)
-    return work[np.argsort(-cost, kind="stable") if first_by is None else np.lexsort((-cost, first_by))]
+    neg_cost = (work[:, KV0] - work[:, KV1]) * (work[:, Q1] - work[:, Q0] + 1)
+    return work[np.argsort(neg_cost, kind="stable") if first_by is None else np.lexsort((neg_cost, first_by))]

@@ -109,7 +109,7 @@ class CascadePlanner:
         batch = kv.shape[0]
         active = qo > 0
         # Whole pages of KV computed before this step: the most a request can share.
-        shareable = np.where(active, (kv - qo) // page_size, 0)
+        shareable = (kv - qo) // page_size * active
 
         order, lcp = _sort_and_lcp(pages, shareable, active, _whole_rows(block_tables, pages))
         min_shared = _MIN_SHARED_TOKENS if self.min_shared_tokens is None else self.min_shared_tokens
@@ -119,11 +119,11 @@ class CascadePlanner:
 
         qo_planned = qo[order]
         qo_indptr = np.zeros(batch + 1, dtype=np.int64)
-        np.cumsum(qo_planned, out=qo_indptr[1:])
+        qo_planned.cumsum(out=qo_indptr[1:])
         qo_at = qo_indptr.tolist()
 
         if nodes and self._cost_model_decides():
-            flat = PlanFeatures(1, float(kv[active].sum()), float((qo * kv).sum()))
+            flat = PlanFeatures(1, float(kv @ active), float(qo @ kv))
             cascade = _cascade_features(nodes, qo_planned, qo_at, kv[order], shared_end, page_size)
             if self.cost_model.time_us(flat) <= self.cost_model.time_us(cascade):
                 nodes, shared_end = (), np.zeros(batch, dtype=np.int64)
@@ -133,7 +133,7 @@ class CascadePlanner:
             # permutation of q or the output.
             order = np.concatenate([np.flatnonzero(active), np.flatnonzero(~active)])
             qo_planned = qo[order]
-            np.cumsum(qo_planned, out=qo_indptr[1:])
+            qo_planned.cumsum(out=qo_indptr[1:])
             qo_at = qo_indptr.tolist()
 
         num_shared = max((n.level + 1 for n in nodes), default=0)
@@ -223,9 +223,9 @@ def _cascade_features(
         tokens = (node.end - node.start) * page_size
         kv_tokens += tokens
         pairs += tokens * float(qo_at[node.hi] - qo_at[node.lo])
-    own = np.where(qo_planned > 0, kv_planned - shared_end * page_size, 0)
+    own = (kv_planned - shared_end * page_size) * (qo_planned > 0)
     kv_tokens += float(own.sum())
-    pairs += float((own * qo_planned).sum())
+    pairs += float(own @ qo_planned)
     return PlanFeatures(max((n.level for n in nodes), default=-1) + 2, kv_tokens, pairs)
 
 
@@ -387,7 +387,9 @@ def _unique_level(
     """One causal group per request: its pages after its deepest shared segment (none if it has no
     queries). Always non-empty for a request with queries: shared segments stop before new tokens."""
     kv_planned = kv[order]
-    end = np.where(qo_planned > 0, -(-kv_planned // page_size), shared_end)
+    # Requests without queries have no pages here, and no shared ones either (they sit after every
+    # shared node): their end is their shared_end, 0.
+    end = -(kv_planned // -page_size) * (qo_planned > 0)
     first, stop = (int(shared_end[0]), int(end[0])) if end.size else (0, 0)
     if isinstance(pages, np.ndarray) and (shared_end == first).all() and (end == stop).all():
         # Every request reads the same columns (samples of one prompt in step): one 2-D gather.
@@ -400,7 +402,7 @@ def _unique_level(
             if isinstance(pages, np.ndarray)
             else [pages[r][s:e] for r, s, e in spans]
         )
-    last = np.where(end > shared_end, kv_planned - (end - 1) * page_size, 0)
+    last = (kv_planned - (end - 1) * page_size) * (end > shared_end)
     return CascadeLevel(
         qo_indptr=qo_indptr.astype(_I32),
         kv_indptr=_indptr(end - shared_end),

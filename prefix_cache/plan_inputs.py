@@ -115,12 +115,13 @@ def check_read_page_ids(
     in a level's ``kv_indices`` (a shared segment is read from one member, whose pages the others
     equal); the pages of requests without queries are looked at here."""
     low = min(int(level.kv_indices.min(initial=0)) for level in levels)
-    idle = np.flatnonzero(~active)
-    if idle.size and isinstance(pages, np.ndarray):
-        low = min(low, int(pages[idle].min(initial=0)))  # unused entries too: a second look if < 0
-    elif idle.size:
-        spans = zip(idle.tolist(), num_pages[idle].tolist(), strict=True)
-        low = min(low, *(int(pages[i][:n].min(initial=0)) for i, n in spans))
+    if not active.all():
+        idle = np.flatnonzero(~active)
+        if isinstance(pages, np.ndarray):
+            low = min(low, int(pages[idle].min(initial=0)))  # unused entries too: a second look if < 0
+        else:
+            spans = zip(idle.tolist(), num_pages[idle].tolist(), strict=True)
+            low = min(low, *(int(pages[i][:n].min(initial=0)) for i, n in spans))
     if low < 0:
         _check_page_ids(pages, num_pages)
 

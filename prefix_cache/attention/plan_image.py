@@ -93,8 +93,12 @@ def fill_image(
     for level in levels:
         host[at : at + level.kv_indices.shape[0]] = level.kv_indices
         at += level.kv_indices.shape[0]
-    through = np.cumsum(splits, axis=0)  # a token's rows in the levels up to each
-    rows_per_token = through[-1]
+    # A token's rows in the levels before each, and in all: one row add per level (numpy's cumsum
+    # along the levels costs more on these short arrays).
+    before = np.zeros_like(splits)
+    for i in range(1, splits.shape[0]):
+        np.add(before[i - 1], splits[i - 1], out=before[i])
+    rows_per_token = before[-1] + splits[-1]
     final = output_states(rows_per_token, ext)
     rows = host[sec.o_rows : sec.o_rows + len(levels) * token_stride].reshape(len(levels), token_stride)
     host[sec.q_rows : sec.q_rows + nq] = order
@@ -109,15 +113,15 @@ def fill_image(
     some_final = final.any()
     merged = np.flatnonzero(~final) if some_final else slice(None)
     counts = rows_per_token[merged]
-    ends = np.cumsum(counts)
+    ends = counts.cumsum()
     starts = ends - counts
     if some_final:
         first = np.zeros(nq, dtype=np.int64)
         first[merged] = starts
-        rows[:, :nq] = through - splits + first
+        rows[:, :nq] = before + first
         rows[:, :nq][:, final] = -1 - order[final]
     else:
-        rows[:, :nq] = through - splits + starts
+        rows[:, :nq] = before + starts
     k = counts.shape[0]
     host[sec.merge_rows : sec.merge_rows + k] = order[merged]
     host[sec.starts : sec.starts + k] = starts
