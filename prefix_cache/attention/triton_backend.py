@@ -52,8 +52,8 @@ from prefix_cache.kernels.work import (
 # elements (K and V over all KV heads, each M tile reading the level's KV, from L2 when they run side
 # by side) and the launch's M tiles, unsplit, fit in one wave of resident programs. It saves a launch
 # in an exact plan, and in any plan runs a level of few programs on 2-4x as many. Longer or busier
-# levels lose more to the extra reads. An H200 sweep: -13% to -38% on 2-8 KV
-# heads over 2-4k tokens, +3% to +56% over 8-32k (benchmarks/NOTES.md, attempt 22).
+# levels lose more to the extra reads. An H200 sweep: -13% to -38% on 2-8 KV heads over 2-4k
+# tokens, +3% to +56% over 8-32k (benchmarks/NOTES.md, attempt 22).
 SHARED_ON_NARROW_ROWS = 64
 SHARED_ON_NARROW_READS = 1 << 25
 
@@ -225,22 +225,22 @@ class TritonBackend(AttentionBackend):
         tiles (``tile_config``), so an exact plan runs at most two attention launches, as the fixed
         pair does: a level between the two runs on the wide tile (under the fixed pair the four-level
         batch ran 17% faster than its exact plan's three launches, the system-prompt batch 2% slower;
-        benchmarks/NOTES.md, attempt 22). A small shared level runs
-        on the narrow tile instead, in the decode tokens' launch (see ``SHARED_ON_NARROW_ROWS``)."""
+        benchmarks/NOTES.md, attempt 22). A small shared level runs on the narrow tile instead, in
+        the decode tokens' launch (see ``SHARED_ON_NARROW_ROWS``)."""
         group = self.num_qo_heads // self.num_kv_heads
         rows = [level.max_rows_per_group * group for level in levels]
         if tiles is None:
             own = [tile_config(r, group, self.head_dim, page_size) for r in rows]
             tiles = (min(own, key=lambda tile: tile.block_m), max(own, key=lambda tile: tile.block_m))
-        own = [next((tile for tile in tiles if r <= tile.block_m), tiles[-1]) for r in rows]
+        fitting = [next((tile for tile in tiles if r <= tile.block_m), tiles[-1]) for r in rows]
         narrow = tiles[0]
         tile_q = narrow.block_m // group
         m_tiles = [-(-level.q_len // tile_q) * (level.kv_len > 0) for level in levels]  # groups with KV
-        programs = sum(int(m.sum()) for m, tile in zip(m_tiles, own, strict=True) if tile == narrow)
+        programs = sum(int(m.sum()) for m, tile in zip(m_tiles, fitting, strict=True) if tile == narrow)
         programs *= self.num_kv_heads
         slots = num_sms(self.device) * narrow.resident_per_sm()
         chosen = []
-        for level, tile, r, m, is_causal in zip(levels, own, rows, m_tiles, causal, strict=True):
+        for level, tile, r, m, is_causal in zip(levels, fitting, rows, m_tiles, causal, strict=True):
             extra = int(m.sum()) * self.num_kv_heads
             reads = int(m @ level.kv_len) * self.num_kv_heads * self.head_dim * 2
             small = not is_causal and r <= SHARED_ON_NARROW_ROWS and reads <= SHARED_ON_NARROW_READS
