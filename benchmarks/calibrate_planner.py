@@ -1,12 +1,14 @@
 """Fit the planner's cost model (``prefix_cache.cost_model``) to a bench_attention.py run.
 
-For every case of the run with Llama-3-8B heads (32/8, d128, page 16), the two plans the planner
-chooses between (the cascade of its candidate nodes, and one level) are rebuilt exactly as the
-benchmark built them, their features counted (``plan_features``), and the model
-``time = base + level * (levels - 1) + kv_token * kv_tokens + pair * pairs`` fitted by non-negative
-least squares to the measured CUDA-graph times (``cascade_graph_ms``, ``one_level_graph_ms``),
-weighted so that every point counts by its relative error. Prints, per case, the choice the fitted
-model makes and its measured cost against the better plan, and writes the coefficients as JSON.
+For every case of the run with Llama-3-8B heads (32/8, d128; every page size), the two plans the
+planner chooses between (the cascade of its candidate nodes, and one level) are rebuilt exactly as
+the benchmark built them, their features counted (``CostModel.features``), and the model
+``time = base + launch * (launches - 1) + kv_token * kv_tokens + pair * pairs`` fitted by
+non-negative least squares to the measured CUDA-graph times (``cascade_graph_ms``,
+``one_level_graph_ms``), weighted so that every point counts by its relative error. Which shared
+levels join the decode launch (``join_queries``, ``tile_queries``, ``join_tile_tokens``) follows
+from the Triton backend's limits at these heads. Prints, per case, the choice the fitted model
+makes and its measured cost against the better plan, and writes the coefficients as JSON.
 
 Usage: ``python benchmarks/calibrate_planner.py [RESULTS_JSON] [--out MODEL_JSON]`` (defaults:
 benchmarks/results/attention_h200.json, prefix_cache/data/cost_model_h200.json); to calibrate another
@@ -22,12 +24,27 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from prefix_cache.kernels.work import fixed_tile_configs
 
+from prefix_cache.attention.triton_backend import SHARED_ON_NARROW_READS, SHARED_ON_NARROW_ROWS
 from prefix_cache.cascade_planner import CascadePlanner
-from prefix_cache.cost_model import DEFAULT_PATH, CostModel, plan_features
+from prefix_cache.cost_model import DEFAULT_PATH, CostModel
 
 HERE = Path(__file__).resolve().parent
-SHAPE = "32/8 d128 page 16"
+HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+SHAPE = f"{HEADS}/{KV_HEADS} d{HEAD_DIM}"
+
+
+def join_limits() -> tuple[int, int, int]:
+    """(join_queries, tile_queries, join_tile_tokens): the Triton backend's limits for a shared level
+    in the decode launch, in tokens at SHAPE. A level joins with at most SHARED_ON_NARROW_ROWS rows
+    (query tokens x group) per group, and with decode tiles (``tile_queries`` query tokens each) that
+    read at most SHARED_ON_NARROW_READS KV elements (KV tokens x KV heads x head dim x 2) in all.
+    The limit of one wave of programs is not modelled."""
+    group = HEADS // KV_HEADS
+    tile_queries = fixed_tile_configs(group, HEAD_DIM, 16)[0].block_m // group
+    reads = SHARED_ON_NARROW_READS // (KV_HEADS * HEAD_DIM * 2)
+    return SHARED_ON_NARROW_ROWS // group, tile_queries, reads
 
 
 def _bench():
@@ -56,10 +73,13 @@ def main() -> None:
     args = parser.parse_args()
     bench = _bench()
     cases = {c.name: c for c in bench.CASES}
-    rows = [r for r in json.loads(Path(args.results).read_text()) if r.get("shape") == SHAPE]
+    results = json.loads(Path(args.results).read_text())
+    rows = [r for r in results if r.get("shape", "").startswith(SHAPE + " ")]
+    joins = join_limits()
+    counting = CostModel(0.0, 0.0, 0.0, 0.0, *joins)
     points, report = [], []
     candidates = CascadePlanner(cost_model=None)
-    one_level = CascadePlanner(max_levels=1)
+    one_level = CascadePlanner(max_levels=1, cost_model=None)
     for row in rows:
         case = cases.get(row["case"])
         if case is None or not row.get("cascade_graph_ms") or not row.get("one_level_graph_ms"):
@@ -67,15 +87,15 @@ def main() -> None:
         tables, kv_lens, qo_lens, _ = bench.build_batch(case)
         feats = []
         for planner, key in ((candidates, "cascade_graph_ms"), (one_level, "one_level_graph_ms")):
-            f = plan_features(planner.plan(tables, kv_lens, qo_lens, case.page_size))
-            points.append(([1.0, f.levels - 1, f.kv_tokens, f.pairs], row[key] * 1e3))
+            f = counting.features(planner.plan(tables, kv_lens, qo_lens, case.page_size))
+            points.append(([1.0, f.launches - 1, f.kv_tokens, f.pairs], row[key] * 1e3))
             feats.append(f)
         report.append((row["case"], feats, row["cascade_graph_ms"], row["one_level_graph_ms"]))
     a = np.array([p for p, _ in points])
     b = np.array([t for _, t in points])
     w = 1.0 / b  # relative errors
     x = nnls(a * w[:, None], b * w)
-    model = CostModel(*map(float, x), source=args.results)
+    model = CostModel(*map(float, x), *joins, source=args.results)
     worst = 1.0
     print(f"{'case':<58} {'cascade':>8} {'one':>8} {'model picks':>12} {'vs best':>8}")
     for name, (cascade_f, one_f), cascade_ms, one_ms in report:
@@ -86,12 +106,13 @@ def main() -> None:
         pick = "cascade" if pick_cascade else "one level"
         print(f"{name:<58} {cascade_ms:8.4f} {one_ms:8.4f} {pick:>12} {ratio:8.3f}")
     print(f"worst chosen / best: {worst:.3f} over {len(report)} cases")
-    meta = json.loads(Path(args.results).read_text())[0]
+    meta = results[0]
     data = {
         "base_us": model.base_us,
-        "level_us": model.level_us,
+        "launch_us": model.launch_us,
         "kv_token_us": model.kv_token_us,
         "pair_us": model.pair_us,
+        **dict(zip(("join_queries", "tile_queries", "join_tile_tokens"), joins, strict=True)),
         "fitted_on": f"{meta.get('gpu')} {meta.get('date')}, {len(points)} plans of {len(report)} cases",
         "shape": SHAPE,
         "worst_chosen_over_best": worst,

@@ -124,7 +124,9 @@ class CascadePlanner:
 
         if nodes and self._cost_model_decides():
             flat = PlanFeatures(1, float(kv @ active), float(qo @ kv))
-            cascade = _cascade_features(nodes, qo_planned, qo_at, kv[order], shared_end, page_size)
+            cascade = _cascade_features(
+                self.cost_model, nodes, qo_planned, qo_at, kv[order], shared_end, page_size
+            )
             if self.cost_model.time_us(flat) <= self.cost_model.time_us(cascade):
                 nodes, shared_end = (), np.zeros(batch, dtype=np.int64)
         if not nodes:
@@ -209,6 +211,7 @@ _LCP_BLOCK = 64
 
 
 def _cascade_features(
+    model: CostModel,
     nodes: Sequence[_Node],
     qo_planned: np.ndarray,
     qo_at: list[int],
@@ -216,17 +219,23 @@ def _cascade_features(
     shared_end: np.ndarray,
     page_size: int,
 ) -> PlanFeatures:
-    """``cost_model.plan_features`` of the plan these nodes make, without building it. ``qo_at``:
-    the planned query offsets (``batch + 1``)."""
+    """``model.features`` of the plan these nodes make, without building it. ``qo_at``: the planned
+    query offsets (``batch + 1``)."""
     kv_tokens = pairs = 0.0
+    widest: dict[int, int] = {}  # per shared level: its largest group's query tokens
+    tile_tokens: dict[int, int] = {}  # and the KV tokens its decode tiles read
     for node in nodes:
         tokens = (node.end - node.start) * page_size
+        queries = qo_at[node.hi] - qo_at[node.lo]
         kv_tokens += tokens
-        pairs += tokens * float(qo_at[node.hi] - qo_at[node.lo])
+        pairs += tokens * float(queries)
+        widest[node.level] = max(widest.get(node.level, 0), queries)
+        tile_tokens[node.level] = tile_tokens.get(node.level, 0) + model.tiles(queries) * tokens
     own = (kv_planned - shared_end * page_size) * (qo_planned > 0)
     kv_tokens += float(own.sum())
     pairs += float(own @ qo_planned)
-    return PlanFeatures(max((n.level for n in nodes), default=-1) + 2, kv_tokens, pairs)
+    apart = any(not model.joins(q, tile_tokens[level]) for level, q in widest.items())
+    return PlanFeatures(1 + apart, kv_tokens, pairs)
 
 
 def _whole_rows(block_tables: object, pages: Pages) -> np.ndarray | None:

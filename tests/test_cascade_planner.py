@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from prefix_cache import cascade_planner
 from prefix_cache.cascade import CascadePlan
 from prefix_cache.cascade_planner import CascadePlanner, _sort_and_lcp
-from prefix_cache.cost_model import CostModel, plan_features
+from prefix_cache.cost_model import CostModel
 from prefix_cache.plan_inputs import check_plan_inputs
 
 # Cost models that share anything (to exercise deep plans on small batches) and the default one.
@@ -232,11 +232,27 @@ def test_cost_model_break_even() -> None:
 
 def test_calibrated_cost_model_chooses_the_faster_plan() -> None:
     """Cases measured on the H200 (benchmarks/results/attention_h200.md, CUDA-graph times): a
-    4096-token prefix shared by 64 decodes runs 3x faster as a cascade; 256 tokens shared by 8
-    decodes runs faster as one level; with no cost model the thresholds keep the latter."""
+    4096-token prefix shared by 64 decodes runs 2.7x faster as a cascade; 512 tokens shared by 32
+    decodes (256 own each) 1.2x faster as one level, since its shared level needs a launch of its
+    own; at page size 1, 1024 tokens shared by 16 decodes 1.2x faster as a cascade whose shared level
+    runs in the decodes' launch. With no cost model the thresholds share the 512 tokens."""
     assert len(plan_of(decode_batch([(256, 64)], unique_pages=32)).levels) == 2
-    assert len(plan_of(decode_batch([(16, 8)], unique_pages=16)).levels) == 1
-    assert len(plan_of(decode_batch([(16, 8)], unique_pages=16), CascadePlanner(cost_model=None)).levels) == 2
+    assert len(plan_of(decode_batch([(32, 32)], unique_pages=16)).levels) == 1
+    assert len(plan_of(decode_batch([(1024, 16)], unique_pages=64, page_size=1)).levels) == 2
+    assert (
+        len(plan_of(decode_batch([(32, 32)], unique_pages=16), CascadePlanner(cost_model=None)).levels) == 2
+    )
+
+
+def test_a_shared_level_that_joins_the_decode_launch_costs_no_launch() -> None:
+    """The packaged model's join limits: 16 decodes sharing a prefix join the decode launch, 17 do
+    not (64 rows per group at 32/8 heads), nor do 16 over a prefix whose decode tiles would read over
+    2^25 KV elements."""
+    model = CostModel.load()
+    for requests, prefix_pages, launches in ((16, 64, 1), (17, 64, 2), (16, 256, 1), (16, 257, 2)):
+        plan = plan_of(decode_batch([(prefix_pages, requests)]), EAGER[1])
+        assert len(plan.levels) == 2
+        assert model.features(plan).launches == launches, (requests, prefix_pages)
 
 
 @given(batch=batches(), planner=planners)
@@ -253,7 +269,7 @@ def test_one_level_plans_keep_the_engine_order(batch: Batch, planner: CascadePla
 
 
 def test_one_level_plan_of_shared_prefix_keeps_the_engine_order() -> None:
-    """The cost model folds 256 tokens shared by 8 decodes into one level; two such groups
+    """A cost model that folds 256 tokens shared by 8 decodes into one level; two such groups
     interleaved (which sorting by table would pull apart), with a request without queries among
     them: the engine's order stands, that request last."""
     first = decode_batch([(16, 8)], unique_pages=16)
@@ -265,7 +281,7 @@ def test_one_level_plan_of_shared_prefix_keeps_the_engine_order() -> None:
     qo = np.ones(16, dtype=np.int64)
     qo[3] = 0
     batch = Batch(tables, kv, qo, first.page_size, 2 * first.num_pages)
-    plan = plan_of(batch)
+    plan = plan_of(batch, CascadePlanner(cost_model=CostModel(0.0, 1e6, 0.0, 0.0)))
     assert len(plan.levels) == 1
     assert plan.request_order.tolist() == [*range(3), *range(4, 16), 3]
     assert plan.query_order.tolist() == list(range(15))
@@ -610,21 +626,21 @@ def test_min_saved_tokens_counts_the_reads_saved() -> None:
 
 
 def test_one_explicit_threshold_decides_without_the_cost_model() -> None:
-    """The cost model decides only when both thresholds are None: 256 tokens shared by 8 decodes,
+    """The cost model decides only when both thresholds are None: 512 tokens shared by 32 decodes,
     which it folds into one level (test_calibrated_cost_model_chooses_the_faster_plan), get a shared
     level as soon as either threshold is given."""
-    batch = decode_batch([(16, 8)], unique_pages=16)
+    batch = decode_batch([(32, 32)], unique_pages=16)
     assert len(plan_of(batch).levels) == 1
     assert len(plan_of(batch, CascadePlanner(min_saved_tokens=7 * 256)).levels) == 2
     assert len(plan_of(batch, CascadePlanner(min_shared_tokens=256)).levels) == 2
 
 
 @settings(max_examples=150, deadline=None)
-@given(batch=batches())
-def test_cost_model_compares_the_features_of_both_plans(batch: Batch) -> None:
+@given(batch=batches(), joins=st.tuples(st.integers(0, 12), st.integers(1, 4), st.integers(0, 300)))
+def test_cost_model_compares_the_features_of_both_plans(batch: Batch, joins: tuple[int, int, int]) -> None:
     """What the cost model is asked about: the one-level plan and the candidates' cascade, each with
-    the features ``plan_features`` reads off the plan itself (requests without queries included in
-    the batch, not in the features)."""
+    the features ``CostModel.features`` reads off the plan itself (requests without queries included
+    in the batch, not in the features; shared levels in or out of the decode launch)."""
     seen: list = []
 
     class Recording(CostModel):
@@ -632,7 +648,7 @@ def test_cost_model_compares_the_features_of_both_plans(batch: Batch) -> None:
             seen.append(features)
             return super().time_us(features)
 
-    model = Recording(base_us=1.0, level_us=1.0, kv_token_us=1.0, pair_us=1.0)
+    model = Recording(1.0, 1.0, 1.0, 1.0, *joins)
     with pytest.MonkeyPatch.context() as mp:  # candidates at any size, so that small batches have some
         mp.setattr(cascade_planner, "_MIN_SHARED_TOKENS", 1)
         mp.setattr(cascade_planner, "_MIN_SAVED_TOKENS", 0)
@@ -643,7 +659,7 @@ def test_cost_model_compares_the_features_of_both_plans(batch: Batch) -> None:
         assert seen == []  # no candidate: nothing to compare
         return
     flat = CascadePlanner(max_levels=1, cost_model=None).plan(*args)
-    assert seen == [plan_features(flat), plan_features(cascade)]
+    assert seen == [model.features(flat), model.features(cascade)]
 
 
 def test_a_2d_table_with_equal_lengths_and_shared_segments_of_different_depths() -> None:

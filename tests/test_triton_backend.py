@@ -7,11 +7,16 @@ import numpy as np
 import pytest
 import torch
 from attention_reference import reference_attention
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from prefix_cache.cascade import CascadeLevel, CascadePlan
 from prefix_cache.cascade_planner import CascadePlanner
+from prefix_cache.cost_model import CostModel
 
 pytest.importorskip("triton")
+from prefix_cache.kernels import work
+
 from prefix_cache.attention import triton_backend
 from prefix_cache.attention.triton_backend import SHARED_ON_NARROW_ROWS, GraphCapacity, TritonBackend
 
@@ -578,3 +583,34 @@ def test_flashinfer_levels_on_random_batches_exact_and_under_a_capacity() -> Non
                 torch.testing.assert_close(out.double(), expected, atol=3e-3, rtol=3e-3)
 
     check()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    groups=st.lists(st.tuples(st.integers(1, 300), st.integers(1, 24)), min_size=1, max_size=3),
+    branches=st.integers(1, 3),
+)
+def test_the_cost_model_counts_the_launches_the_backend_makes(
+    groups: list[tuple[int, int]], branches: int
+) -> None:
+    """The packaged cost model's join limits are the backend's at its calibrated shape (32/8 heads of
+    128, H200 tiles, the wave unbounded): decode groups over prefixes of up to 300 pages of 16 tokens
+    (either side of the 2^25-element read limit), each prefix split into ``branches`` branches of
+    8 pages, plan with as many launches as ``CostModel.features`` counts."""
+    pages = iter(range(1 << 20))
+    tables = []
+    for prefix, requests in groups:
+        root = [next(pages) for _ in range(prefix)]
+        for _branch in range(branches):
+            branch = [next(pages) for _ in range(8)]
+            tables += [np.array(root + branch + [next(pages)]) for _ in range(requests)]
+    kv_lens = [len(t) * 16 - 5 for t in tables]
+    planner = CascadePlanner(min_shared_tokens=1, min_saved_tokens=1, cost_model=None)
+    plan = planner.plan(tables, kv_lens, [1] * len(tables), 16)
+    backend = TritonBackend(device="cpu")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(work, "interpreting", lambda: False)
+        mp.setattr(triton_backend, "num_sms", lambda device: 1 << 20)
+        backend.plan(plan, num_qo_heads=32, num_kv_heads=8, head_dim=128)
+    launches = sum(int(launch.num_work.item()) > 0 for launch in backend._launches)
+    assert CostModel.load().features(plan).launches == launches
