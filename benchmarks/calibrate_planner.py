@@ -1,31 +1,41 @@
-"""Fit the planner's cost model (``prefix_cache.cost_model``) to a bench_attention.py run.
+"""Fit the planner's cost model (``prefix_cache.cost_model``) to measured attention times.
 
-For every case of the run with Llama-3-8B heads (32/8, d128; every page size), the two plans the
-planner chooses between (the cascade of its candidate nodes, and one level) are rebuilt exactly as
-the benchmark built them, their features counted (``CostModel.features``), and the model
-``time = base + launch * (launches - 1) + kv_token * kv_tokens + pair * pairs`` fitted by
-non-negative least squares to the measured CUDA-graph times (``cascade_graph_ms``,
-``one_level_graph_ms``), weighted so that every point counts by its relative error. Which shared
-levels join the decode launch (``join_queries``, ``tile_queries``, ``join_tile_tokens``) follows
-from the Triton backend's limits at these heads. Prints, per case, the choice the fitted model
-makes and its measured cost against the better plan, and writes the coefficients as JSON.
+Two steps, the first on a CUDA GPU:
 
-Usage: ``python benchmarks/calibrate_planner.py [RESULTS_JSON] [--out MODEL_JSON]`` (defaults:
-benchmarks/results/attention_h200.json, prefix_cache/data/cost_model_h200.json); to calibrate another
-GPU, run bench_attention.py there first.
+1. ``--measure OUT_JSON`` times, for each calibration batch, the two plans the planner chooses between
+   (the cascade of its candidate nodes, and one level): exact Triton plans replayed in CUDA graphs,
+   as ``bench_attention.py``'s "ours cascade" / "ours one level" arms, each checked against the
+   reference first. The batches: ``bench_attention.py``'s cases with Llama-3-8B heads (32/8, d128)
+   and ``BREAK_EVEN``, one prefix shared by 8-32 decodes, where either plan can win.
+2. The fit (any machine): for every batch of the given results (``--measure`` output, or
+   ``bench_attention.py`` rows: ``cascade_graph_ms``, ``one_level_graph_ms``) both plans are rebuilt
+   exactly, their features counted (``CostModel.features``), and
+   ``time = base + launch * (launches - 1) + level * (levels - 1) + kv_token * kv_tokens +
+   pair * pairs`` fitted by non-negative least squares, weighted so that every point counts by its
+   relative error. Which shared levels join the decode launch (``join_queries``, ``tile_queries``,
+   ``join_tile_tokens``) follows from the Triton backend's limits at these heads. Prints, per batch,
+   the choice the fitted model makes and its measured cost against the better plan, and writes the
+   model as JSON.
+
+Usage: ``python benchmarks/calibrate_planner.py --measure OUT_JSON`` (CUDA), then
+``python benchmarks/calibrate_planner.py RESULTS_JSON [RESULTS_JSON ...] [--out MODEL_JSON]``
+(default model: prefix_cache/data/cost_model_h200.json). To calibrate another GPU, run both there.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import numpy as np
+import torch
 from prefix_cache.kernels.work import fixed_tile_configs
 
+from prefix_cache.attention import create_backend
 from prefix_cache.attention.triton_backend import SHARED_ON_NARROW_READS, SHARED_ON_NARROW_ROWS
 from prefix_cache.cascade_planner import CascadePlanner
 from prefix_cache.cost_model import DEFAULT_PATH, CostModel
@@ -33,6 +43,45 @@ from prefix_cache.cost_model import DEFAULT_PATH, CostModel
 HERE = Path(__file__).resolve().parent
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 SHAPE = f"{HEADS}/{KV_HEADS} d{HEAD_DIM}"
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_attention", HERE / "bench_attention.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_attention"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _bench()
+
+
+def _break_even() -> tuple:
+    """Decode batches near the break-even of cascade and one level, at pages of 16, 1 and 64."""
+    case = bench.Case
+    cases = [
+        case(f"p16 {prefix} x {n}, {own} own", ((1, prefix),), n, (own,), (1,))
+        for prefix in (256, 512, 1024, 2048)
+        for n in (8, 12, 16, 24, 32)
+        for own in (64, 512)
+    ]
+    cases += [
+        case(f"p1 {prefix} x {n}, 64 own", ((1, prefix),), n, (64,), (1,), page_size=1)
+        for prefix in (256, 512, 2048)
+        for n in (8, 16, 32)
+    ]
+    cases += [case(f"p64 1024 x {n}, 256 own", ((1, 1024),), n, (256,), (1,), page_size=64) for n in (8, 16)]
+    return (
+        *cases,
+        case("p16 sys 1024, 4 x 512, 4 each", ((1, 1024), (4, 512)), 4, (128,), (1,)),
+        case("p16 sys 512, 2 x 512, 8 each", ((1, 512), (2, 512)), 8, (128,), (1,)),
+        case("p16 4 prefixes 1024 x 8", ((4, 1024),), 8, (256,), (1,)),
+        case("p16 8 prefixes 512 x 16", ((8, 512),), 16, (256,), (1,)),
+    )
+
+
+BREAK_EVEN = _break_even()
+CASES = {c.name: c for c in (*bench.CASES, *BREAK_EVEN) if (c.hq, c.hkv, c.d) == (HEADS, KV_HEADS, HEAD_DIM)}
 
 
 def join_limits() -> tuple[int, int, int]:
@@ -47,12 +96,48 @@ def join_limits() -> tuple[int, int, int]:
     return SHARED_ON_NARROW_ROWS // group, tile_queries, reads
 
 
-def _bench():
-    spec = importlib.util.spec_from_file_location("bench_attention", HERE / "bench_attention.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_attention"] = module
-    spec.loader.exec_module(module)
-    return module
+def both_plans(case):
+    """(cascade of the candidates, one level) of a case's batch."""
+    tables, kv_lens, qo_lens, _ = bench.build_batch(case)
+    return tuple(
+        planner.plan(tables, kv_lens, qo_lens, case.page_size)
+        for planner in (CascadePlanner(cost_model=None), CascadePlanner(max_levels=1, cost_model=None))
+    )
+
+
+def measure(out: str) -> None:
+    """Step 1: both plans of every calibration batch with candidates, timed on this GPU."""
+    dtype = torch.bfloat16
+    rows = []
+    for case in CASES.values():
+        cascade, one = both_plans(case)
+        if len(cascade.levels) == 1:
+            continue
+        tables, kv_lens, qo_lens, num_pages = bench.build_batch(case)
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        shape = (num_pages, 2, case.page_size, KV_HEADS, HEAD_DIM)
+        kv_cache = torch.randn(shape, generator=gen, device="cuda").to(dtype)
+        q = torch.randn(int(qo_lens.sum()), HEADS, HEAD_DIM, generator=gen, device="cuda").to(dtype)
+        ref = bench.reference(q, kv_cache, tables, kv_lens, qo_lens, HEAD_DIM**-0.5)
+        row = {"case": case.name, "shape": f"{SHAPE} page {case.page_size}"}
+        for key, plan in (("cascade_graph_ms", cascade), ("one_level_graph_ms", one)):
+            backend = create_backend("triton", device="cuda")
+            backend.plan(plan, num_qo_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, q_dtype=dtype)
+            replay, out_tensor = bench.graphed(lambda b=backend, q=q, kv=kv_cache: b.run(q, kv))
+            out_tensor.fill_(float("nan"))
+            replay()
+            err = float((out_tensor.float() - ref).abs().max()) / float(ref.abs().max())
+            if not err <= bench.MAX_REL_ERR:
+                raise AssertionError(f"{case.name}: {key} relative error {err:.3g}")
+            row[key] = bench.time_ms(replay, True)
+        rows.append(row)
+        print(f"{case.name:<58} {row['cascade_graph_ms']:8.4f} {row['one_level_graph_ms']:8.4f}", flush=True)
+    meta = {
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "gpu": torch.cuda.get_device_name(),
+        "command": "python benchmarks/calibrate_planner.py " + " ".join(sys.argv[1:]),
+    }
+    Path(out).write_text(json.dumps([{**meta, **row} for row in rows], indent=1) + "\n")
 
 
 def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -66,36 +151,26 @@ def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         active.remove(int(np.argmin(x)))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("results", nargs="?", default=str(HERE / "results" / "attention_h200.json"))
-    parser.add_argument("--out", default=str(DEFAULT_PATH))
-    args = parser.parse_args()
-    bench = _bench()
-    cases = {c.name: c for c in bench.CASES}
-    results = json.loads(Path(args.results).read_text())
-    rows = [r for r in results if r.get("shape", "").startswith(SHAPE + " ")]
+def fit(paths: list[str], out: str) -> None:
+    """Step 2: the model fitted to the measured rows of ``paths`` (a later file's row of a batch
+    replaces an earlier one's), written to ``out``."""
+    rows: dict[str, dict] = {}
+    for path in paths:
+        for row in json.loads(Path(path).read_text()):
+            if row["case"] in CASES and row.get("cascade_graph_ms") and row.get("one_level_graph_ms"):
+                rows[row["case"]] = row
     joins = join_limits()
-    counting = CostModel(0.0, 0.0, 0.0, 0.0, *joins)
+    counting = CostModel(0.0, 0.0, 0.0, 0.0, 0.0, *joins)
     points, report = [], []
-    candidates = CascadePlanner(cost_model=None)
-    one_level = CascadePlanner(max_levels=1, cost_model=None)
-    for row in rows:
-        case = cases.get(row["case"])
-        if case is None or not row.get("cascade_graph_ms") or not row.get("one_level_graph_ms"):
-            continue
-        tables, kv_lens, qo_lens, _ = bench.build_batch(case)
-        feats = []
-        for planner, key in ((candidates, "cascade_graph_ms"), (one_level, "one_level_graph_ms")):
-            f = counting.features(planner.plan(tables, kv_lens, qo_lens, case.page_size))
-            points.append(([1.0, f.launches - 1, f.kv_tokens, f.pairs], row[key] * 1e3))
-            feats.append(f)
-        report.append((row["case"], feats, row["cascade_graph_ms"], row["one_level_graph_ms"]))
+    for name, row in rows.items():
+        feats = [counting.features(plan) for plan in both_plans(CASES[name])]
+        for f, key in zip(feats, ("cascade_graph_ms", "one_level_graph_ms"), strict=True):
+            points.append(([1.0, f.launches - 1, f.levels - 1, f.kv_tokens, f.pairs], row[key] * 1e3))
+        report.append((name, feats, row["cascade_graph_ms"], row["one_level_graph_ms"]))
     a = np.array([p for p, _ in points])
     b = np.array([t for _, t in points])
     w = 1.0 / b  # relative errors
-    x = nnls(a * w[:, None], b * w)
-    model = CostModel(*map(float, x), *joins, source=args.results)
+    model = CostModel(*map(float, nnls(a * w[:, None], b * w)), *joins, source=" ".join(paths))
     worst = 1.0
     print(f"{'case':<58} {'cascade':>8} {'one':>8} {'model picks':>12} {'vs best':>8}")
     for name, (cascade_f, one_f), cascade_ms, one_ms in report:
@@ -105,21 +180,31 @@ def main() -> None:
         worst = max(worst, ratio)
         pick = "cascade" if pick_cascade else "one level"
         print(f"{name:<58} {cascade_ms:8.4f} {one_ms:8.4f} {pick:>12} {ratio:8.3f}")
-    print(f"worst chosen / best: {worst:.3f} over {len(report)} cases")
-    meta = results[0]
+    print(f"worst chosen / best: {worst:.3f} over {len(report)} batches")
+    dates = sorted({str(row.get("date")) for row in rows.values()})
+    gpus = sorted({str(row.get("gpu")) for row in rows.values()})
     data = {
-        "base_us": model.base_us,
-        "launch_us": model.launch_us,
-        "kv_token_us": model.kv_token_us,
-        "pair_us": model.pair_us,
+        **{k: getattr(model, k) for k in ("base_us", "launch_us", "level_us", "kv_token_us", "pair_us")},
         **dict(zip(("join_queries", "tile_queries", "join_tile_tokens"), joins, strict=True)),
-        "fitted_on": f"{meta.get('gpu')} {meta.get('date')}, {len(points)} plans of {len(report)} cases",
+        "fitted_on": f"{', '.join(gpus)} {' / '.join(dates)}, {len(points)} plans of {len(report)} batches",
         "shape": SHAPE,
         "worst_chosen_over_best": worst,
         "command": "python benchmarks/calibrate_planner.py " + " ".join(sys.argv[1:]),
     }
-    Path(args.out).write_text(json.dumps(data, indent=1) + "\n")
+    Path(out).write_text(json.dumps(data, indent=1) + "\n")
     print(json.dumps(data, indent=1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", nargs="*", default=[str(HERE / "results" / "attention_h200.json")])
+    parser.add_argument("--measure", metavar="OUT_JSON", help="time the calibration batches (CUDA)")
+    parser.add_argument("--out", default=str(DEFAULT_PATH))
+    args = parser.parse_args()
+    if args.measure:
+        measure(args.measure)
+    else:
+        fit(args.results, args.out)
 
 
 if __name__ == "__main__":

@@ -123,7 +123,7 @@ class CascadePlanner:
         qo_at = qo_indptr.tolist()
 
         if nodes and self._cost_model_decides():
-            flat = PlanFeatures(1, float(kv @ active), float(qo @ kv))
+            flat = PlanFeatures(1, 1, float(kv @ active), float(qo @ kv))
             cascade = _cascade_features(
                 self.cost_model, nodes, qo_planned, qo_at, kv[order], shared_end, page_size
             )
@@ -235,7 +235,7 @@ def _cascade_features(
     kv_tokens += float(own.sum())
     pairs += float(own @ qo_planned)
     apart = any(not model.joins(q, tile_tokens[level]) for level, q in widest.items())
-    return PlanFeatures(1 + apart, kv_tokens, pairs)
+    return PlanFeatures(max((n.level for n in nodes), default=-1) + 2, 1 + apart, kv_tokens, pairs)
 
 
 def _whole_rows(block_tables: object, pages: Pages) -> np.ndarray | None:

@@ -3,11 +3,13 @@
 The planner knows token counts, not heads or kernels, so the model is linear in what it knows about a
 plan (per layer, GPU time of our Triton kernels replayed in a CUDA graph):
 
-    time_us = base_us + launch_us * (launches - 1) + kv_token_us * kv_tokens + pair_us * pairs
+    time_us = base_us + launch_us * (launches - 1) + level_us * (levels - 1)
+              + kv_token_us * kv_tokens + pair_us * pairs
 
 kv_tokens: KV tokens read, each group's segment once (memory traffic); pairs: query tokens x KV tokens
 summed over groups (tensor-core work, which dominates when many queries share a long prefix);
-launches: 1, or 2 when a shared level runs in a launch of its own.
+launches: 1, or 2 when a shared level runs in a launch of its own; levels - 1: the shared levels, whose
+states the merge adds.
 
 The Triton backend runs a small shared level in the decode tokens' launch
 (``triton_backend.SHARED_ON_NARROW_ROWS``) and any others together in a second one. In tokens, a
@@ -17,10 +19,9 @@ when that group has at most ``join_queries`` query tokens and the level's decode
 derives the three from the backend's limits at its model shape; the backend's third limit, one wave
 of programs, is not modelled.
 
-The coefficients are fitted to measured times by ``benchmarks/calibrate_planner.py`` from a
-``benchmarks/bench_attention.py`` run (one model shape: Llama-3-8B heads, 32 query / 8 KV heads of
-128) and kept as data in ``prefix_cache/data/``; rerun both scripts to calibrate another GPU or
-shape.
+The coefficients are fitted to times measured by ``benchmarks/calibrate_planner.py`` (one model
+shape: Llama-3-8B heads, 32 query / 8 KV heads of 128) and kept as data in ``prefix_cache/data/``;
+rerun it to calibrate another GPU or shape.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ DEFAULT_PATH = _DATA / "cost_model_h200.json"
 _FIELDS = (
     "base_us",
     "launch_us",
+    "level_us",
     "kv_token_us",
     "pair_us",
     "join_queries",
@@ -50,6 +52,7 @@ _FIELDS = (
 class PlanFeatures:
     """What the cost model reads off a plan (see the module docstring)."""
 
+    levels: int
     launches: int
     kv_tokens: float
     pairs: float
@@ -62,6 +65,7 @@ class CostModel:
 
     base_us: float
     launch_us: float
+    level_us: float
     kv_token_us: float
     pair_us: float
     join_queries: int = 0
@@ -74,6 +78,7 @@ class CostModel:
         return (
             self.base_us
             + self.launch_us * (features.launches - 1)
+            + self.level_us * (features.levels - 1)
             + self.kv_token_us * features.kv_tokens
             + self.pair_us * features.pairs
         )
@@ -103,7 +108,7 @@ class CostModel:
             if i < len(plan.levels) - 1:
                 widest = int(q_len[kv_len > 0].max(initial=0))
                 apart |= not self.joins(widest, int(self.tiles(q_len) @ kv_len))
-        return PlanFeatures(1 + apart, kv_tokens, pairs)
+        return PlanFeatures(len(plan.levels), 1 + apart, kv_tokens, pairs)
 
     @classmethod
     def load(cls, path: str | Path = DEFAULT_PATH) -> CostModel:

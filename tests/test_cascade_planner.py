@@ -231,25 +231,24 @@ def test_cost_model_break_even() -> None:
 
 
 def test_calibrated_cost_model_chooses_the_faster_plan() -> None:
-    """Cases measured on the H200 (benchmarks/results/attention_h200.md, CUDA-graph times): a
+    """Batches measured on the H200 (CUDA-graph times; benchmarks/calibrate_planner.py): a
     4096-token prefix shared by 64 decodes runs 2.7x faster as a cascade; 512 tokens shared by 32
-    decodes (256 own each) 1.2x faster as one level, since its shared level needs a launch of its
-    own; at page size 1, 1024 tokens shared by 16 decodes 1.2x faster as a cascade whose shared level
-    runs in the decodes' launch. With no cost model the thresholds share the 512 tokens."""
+    decodes (256 own each) 1.2x faster as a cascade whose shared level runs in the decodes' launch,
+    and so, at page size 1, do 1024 tokens shared by 16; 256 tokens shared by 16 decodes (64 own)
+    run 1.1x faster as one level. With no cost model the thresholds share those 256 tokens."""
     assert len(plan_of(decode_batch([(256, 64)], unique_pages=32)).levels) == 2
-    assert len(plan_of(decode_batch([(32, 32)], unique_pages=16)).levels) == 1
+    assert len(plan_of(decode_batch([(32, 32)], unique_pages=16)).levels) == 2
     assert len(plan_of(decode_batch([(1024, 16)], unique_pages=64, page_size=1)).levels) == 2
-    assert (
-        len(plan_of(decode_batch([(32, 32)], unique_pages=16), CascadePlanner(cost_model=None)).levels) == 2
-    )
+    assert len(plan_of(decode_batch([(16, 16)], unique_pages=4)).levels) == 1
+    assert len(plan_of(decode_batch([(16, 16)], unique_pages=4), CascadePlanner(cost_model=None)).levels) == 2
 
 
 def test_a_shared_level_that_joins_the_decode_launch_costs_no_launch() -> None:
-    """The packaged model's join limits: 16 decodes sharing a prefix join the decode launch, 17 do
-    not (64 rows per group at 32/8 heads), nor do 16 over a prefix whose decode tiles would read over
-    2^25 KV elements."""
+    """The packaged model's join limits: 32 decodes sharing a prefix join the decode launch, 33 do
+    not (128 rows per group at 32/8 heads), nor do 32 over a prefix whose decode tiles would read
+    over 2^25 KV elements (8 tiles of 4 decodes over 2048 tokens, K and V of 8 heads of 128)."""
     model = CostModel.load()
-    for requests, prefix_pages, launches in ((16, 64, 1), (17, 64, 2), (16, 256, 1), (16, 257, 2)):
+    for requests, prefix_pages, launches in ((32, 64, 1), (33, 64, 2), (32, 128, 1), (32, 129, 2)):
         plan = plan_of(decode_batch([(prefix_pages, requests)]), EAGER[1])
         assert len(plan.levels) == 2
         assert model.features(plan).launches == launches, (requests, prefix_pages)
@@ -281,7 +280,7 @@ def test_one_level_plan_of_shared_prefix_keeps_the_engine_order() -> None:
     qo = np.ones(16, dtype=np.int64)
     qo[3] = 0
     batch = Batch(tables, kv, qo, first.page_size, 2 * first.num_pages)
-    plan = plan_of(batch, CascadePlanner(cost_model=CostModel(0.0, 1e6, 0.0, 0.0)))
+    plan = plan_of(batch, CascadePlanner(cost_model=CostModel(0.0, 1e6, 1e6, 0.0, 0.0)))
     assert len(plan.levels) == 1
     assert plan.request_order.tolist() == [*range(3), *range(4, 16), 3]
     assert plan.query_order.tolist() == list(range(15))
@@ -626,10 +625,10 @@ def test_min_saved_tokens_counts_the_reads_saved() -> None:
 
 
 def test_one_explicit_threshold_decides_without_the_cost_model() -> None:
-    """The cost model decides only when both thresholds are None: 512 tokens shared by 32 decodes,
+    """The cost model decides only when both thresholds are None: 256 tokens shared by 16 decodes,
     which it folds into one level (test_calibrated_cost_model_chooses_the_faster_plan), get a shared
     level as soon as either threshold is given."""
-    batch = decode_batch([(32, 32)], unique_pages=16)
+    batch = decode_batch([(16, 16)], unique_pages=4)
     assert len(plan_of(batch).levels) == 1
     assert len(plan_of(batch, CascadePlanner(min_saved_tokens=7 * 256)).levels) == 2
     assert len(plan_of(batch, CascadePlanner(min_shared_tokens=256)).levels) == 2
@@ -648,7 +647,7 @@ def test_cost_model_compares_the_features_of_both_plans(batch: Batch, joins: tup
             seen.append(features)
             return super().time_us(features)
 
-    model = Recording(1.0, 1.0, 1.0, 1.0, *joins)
+    model = Recording(1.0, 1.0, 1.0, 1.0, 1.0, *joins)
     with pytest.MonkeyPatch.context() as mp:  # candidates at any size, so that small batches have some
         mp.setattr(cascade_planner, "_MIN_SHARED_TOKENS", 1)
         mp.setattr(cascade_planner, "_MIN_SAVED_TOKENS", 0)

@@ -53,8 +53,9 @@ from prefix_cache.kernels.work import (
 # by side) and the launch's M tiles, unsplit, fit in one wave of resident programs. It saves a launch
 # in an exact plan, and in any plan runs a level of few programs on 2-4x as many. Longer or busier
 # levels lose more to the extra reads. An H200 sweep: -13% to -38% on 2-8 KV heads over 2-4k
-# tokens, +3% to +56% over 8-32k (benchmarks/NOTES.md, attempt 22).
-SHARED_ON_NARROW_ROWS = 64
+# tokens, +3% to +56% over 8-32k (benchmarks/NOTES.md, attempt 22). Up to 128 rows rather than 64:
+# -8% to -34% on 24-32 decodes sharing 256-2048 tokens, +5% at the read limit (attempt 24).
+SHARED_ON_NARROW_ROWS = 128
 SHARED_ON_NARROW_READS = 1 << 25
 
 
