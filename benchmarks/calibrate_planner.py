@@ -12,10 +12,9 @@ Two steps, the first on a CUDA GPU:
    exactly, their features counted (``CostModel.features``), and
    ``time = base + launch * (launches - 1) + level * (levels - 1) + kv_token * kv_tokens +
    pair * pairs`` fitted by non-negative least squares, weighted so that every point counts by its
-   relative error. Which shared levels join the decode launch (``join_queries``, ``tile_queries``,
-   ``join_tile_tokens``) follows from the Triton backend's limits at these heads. Prints, per batch,
-   the choice the fitted model makes and its measured cost against the better plan, and writes the
-   model as JSON.
+   relative error. The launch count's tile rule (``tile_rule``) is the Triton backend's at these
+   heads. Prints, per batch, the choice the fitted model makes and its measured cost against the
+   better plan, and writes the model as JSON.
 
 Usage: ``python benchmarks/calibrate_planner.py --measure OUT_JSON`` (CUDA), then
 ``python benchmarks/calibrate_planner.py RESULTS_JSON [RESULTS_JSON ...] [--out MODEL_JSON]``
@@ -33,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from prefix_cache.kernels._common import num_sms
 from prefix_cache.kernels.work import fixed_tile_configs
 
 from prefix_cache.attention import create_backend
@@ -84,16 +84,20 @@ BREAK_EVEN = _break_even()
 CASES = {c.name: c for c in (*bench.CASES, *BREAK_EVEN) if (c.hq, c.hkv, c.d) == (HEADS, KV_HEADS, HEAD_DIM)}
 
 
-def join_limits() -> tuple[int, int, int]:
-    """(join_queries, tile_queries, join_tile_tokens): the Triton backend's limits for a shared level
-    in the decode launch, in tokens at SHAPE. A level joins with at most SHARED_ON_NARROW_ROWS rows
-    (query tokens x group) per group, and with decode tiles (``tile_queries`` query tokens each) that
-    read at most SHARED_ON_NARROW_READS KV elements (KV tokens x KV heads x head dim x 2) in all.
-    The limit of one wave of programs is not modelled."""
-    group = HEADS // KV_HEADS
-    tile_queries = fixed_tile_configs(group, HEAD_DIM, 16)[0].block_m // group
-    reads = SHARED_ON_NARROW_READS // (KV_HEADS * HEAD_DIM * 2)
-    return SHARED_ON_NARROW_ROWS // group, tile_queries, reads
+def tile_rule(sms: int) -> dict:
+    """The Triton backend's tile choice at SHAPE on a GPU of ``sms`` SMs, in the terms of
+    ``CostModel.launches``: its decode and widest tiles' rows, and the limits under which a shared
+    level joins the decode launch (SHARED_ON_NARROW_ROWS rows; SHARED_ON_NARROW_READS KV elements,
+    K and V of every KV head, here in KV tokens; one wave of programs, here per KV head)."""
+    narrow, wide = fixed_tile_configs(HEADS // KV_HEADS, HEAD_DIM, 16)
+    return {
+        "group_size": HEADS // KV_HEADS,
+        "min_rows": narrow.block_m,
+        "max_rows": wide.block_m,
+        "join_rows": SHARED_ON_NARROW_ROWS,
+        "join_tile_tokens": SHARED_ON_NARROW_READS // (KV_HEADS * HEAD_DIM * 2),
+        "sms_per_kv_head": sms / KV_HEADS,
+    }
 
 
 def both_plans(case):
@@ -135,6 +139,7 @@ def measure(out: str) -> None:
     meta = {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "gpu": torch.cuda.get_device_name(),
+        "sms": num_sms(torch.device("cuda")),
         "command": "python benchmarks/calibrate_planner.py " + " ".join(sys.argv[1:]),
     }
     Path(out).write_text(json.dumps([{**meta, **row} for row in rows], indent=1) + "\n")
@@ -159,8 +164,12 @@ def fit(paths: list[str], out: str) -> None:
         for row in json.loads(Path(path).read_text()):
             if row["case"] in CASES and row.get("cascade_graph_ms") and row.get("one_level_graph_ms"):
                 rows[row["case"]] = row
-    joins = join_limits()
-    counting = CostModel(0.0, 0.0, 0.0, 0.0, 0.0, *joins)
+    # Runs before --measure recorded the SM count were made on an H200 (the CPU default).
+    sms = {int(row.get("sms", num_sms(torch.device("cpu")))) for row in rows.values()}
+    if len(sms) != 1:
+        raise SystemExit(f"the results come from GPUs of different SM counts {sorted(sms)}: fit one GPU")
+    rule = tile_rule(sms.pop())
+    counting = CostModel(0.0, 0.0, 0.0, 0.0, 0.0, **rule)
     points, report = [], []
     for name, row in rows.items():
         feats = [counting.features(plan) for plan in both_plans(CASES[name])]
@@ -170,7 +179,7 @@ def fit(paths: list[str], out: str) -> None:
     a = np.array([p for p, _ in points])
     b = np.array([t for _, t in points])
     w = 1.0 / b  # relative errors
-    model = CostModel(*map(float, nnls(a * w[:, None], b * w)), *joins, source=" ".join(paths))
+    model = CostModel(*map(float, nnls(a * w[:, None], b * w)), **rule, source=" ".join(paths))
     worst = 1.0
     print(f"{'case':<58} {'cascade':>8} {'one':>8} {'model picks':>12} {'vs best':>8}")
     for name, (cascade_f, one_f), cascade_ms, one_ms in report:
@@ -185,7 +194,7 @@ def fit(paths: list[str], out: str) -> None:
     gpus = sorted({str(row.get("gpu")) for row in rows.values()})
     data = {
         **{k: getattr(model, k) for k in ("base_us", "launch_us", "level_us", "kv_token_us", "pair_us")},
-        **dict(zip(("join_queries", "tile_queries", "join_tile_tokens"), joins, strict=True)),
+        **rule,
         "fitted_on": f"{', '.join(gpus)} {' / '.join(dates)}, {len(points)} plans of {len(report)} batches",
         "shape": SHAPE,
         "worst_chosen_over_best": worst,

@@ -221,21 +221,21 @@ def _cascade_features(
 ) -> PlanFeatures:
     """``model.features`` of the plan these nodes make, without building it. ``qo_at``: the planned
     query offsets (``batch + 1``)."""
-    kv_tokens = pairs = 0.0
-    widest: dict[int, int] = {}  # per shared level: its largest group's query tokens
-    tile_tokens: dict[int, int] = {}  # and the KV tokens its decode tiles read
+    num_shared = max((n.level for n in nodes), default=-1) + 1
+    queries: list[list[int]] = [[] for _ in range(num_shared)]  # per shared level, per group
+    tokens: list[list[int]] = [[] for _ in range(num_shared)]
     for node in nodes:
-        tokens = (node.end - node.start) * page_size
-        queries = qo_at[node.hi] - qo_at[node.lo]
-        kv_tokens += tokens
-        pairs += tokens * float(queries)
-        widest[node.level] = max(widest.get(node.level, 0), queries)
-        tile_tokens[node.level] = tile_tokens.get(node.level, 0) + model.tiles(queries) * tokens
+        queries[node.level].append(qo_at[node.hi] - qo_at[node.lo])
+        tokens[node.level].append((node.end - node.start) * page_size)
     own = (kv_planned - shared_end * page_size) * (qo_planned > 0)
-    kv_tokens += float(own.sum())
-    pairs += float(own @ qo_planned)
-    apart = any(not model.joins(q, tile_tokens[level]) for level, q in widest.items())
-    return PlanFeatures(max((n.level for n in nodes), default=-1) + 2, 1 + apart, kv_tokens, pairs)
+    shapes = [
+        (np.array(q, dtype=np.int64), np.array(t, dtype=np.int64), False)
+        for q, t in zip(queries, tokens, strict=True)
+    ]
+    kv_tokens = float(sum(int(t.sum()) for _, t, _ in shapes) + own.sum())
+    pairs = float(sum(int(q @ t) for q, t, _ in shapes) + own @ qo_planned)
+    shapes.append((qo_planned, own, True))
+    return PlanFeatures(num_shared + 1, model.launches(shapes), kv_tokens, pairs)
 
 
 def _whole_rows(block_tables: object, pages: Pages) -> np.ndarray | None:

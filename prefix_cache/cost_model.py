@@ -1,32 +1,33 @@
 """A calibrated estimate of a cascade plan's attention time, for choosing cascade or one level.
 
-The planner knows token counts, not heads or kernels, so the model is linear in what it knows about a
-plan (per layer, GPU time of our Triton kernels replayed in a CUDA graph):
+The planner knows token counts, not kernels, so the model is linear in what it knows about a plan
+(per layer, GPU time of our Triton kernels, an exact plan replayed in a CUDA graph):
 
     time_us = base_us + launch_us * (launches - 1) + level_us * (levels - 1)
               + kv_token_us * kv_tokens + pair_us * pairs
 
 kv_tokens: KV tokens read, each group's segment once (memory traffic); pairs: query tokens x KV tokens
 summed over groups (tensor-core work, which dominates when many queries share a long prefix);
-launches: 1, or 2 when a shared level runs in a launch of its own; levels - 1: the shared levels, whose
-states the merge adds.
+levels - 1: the shared levels, whose states the merge adds; launches: the attention launches, 1 or 2.
 
-The Triton backend runs a small shared level in the decode tokens' launch
-(``triton_backend.SHARED_ON_NARROW_ROWS``) and any others together in a second one. In tokens, a
-shared level joins when its largest group fits one decode tile (``tile_queries`` query tokens), or
-when that group has at most ``join_queries`` query tokens and the level's decode tiles read at most
-``join_tile_tokens`` KV tokens in all (each of a group's tiles reads the group's KV). The calibration
-derives the three from the backend's limits at its model shape; the backend's third limit, one wave
-of programs, is not modelled.
+Launches follow the Triton backend's tile choice (``TritonBackend._level_tiles``), replayed here in
+tokens for the calibrated model shape: a level's own tile holds its largest group's rows (query
+tokens x ``group_size``, a power of two from ``min_rows`` to ``max_rows``); a plan runs the narrowest
+and the widest of its levels' tiles, each level on the narrower that holds it; and a shared level
+joins the narrow launch when it has at most ``join_rows`` rows, its narrow tiles read at most
+``join_tile_tokens`` KV tokens (each of a group's tiles reads the group's KV), and the launch's tiles
+still fit one wave (``sms_per_kv_head`` x programs resident per SM). A test holds the two to the
+same counts.
 
-The coefficients are fitted to times measured by ``benchmarks/calibrate_planner.py`` (one model
-shape: Llama-3-8B heads, 32 query / 8 KV heads of 128) and kept as data in ``prefix_cache/data/``;
-rerun it to calibrate another GPU or shape.
+The numbers are fitted to times measured by ``benchmarks/calibrate_planner.py`` (one model shape:
+Llama-3-8B heads, 32 query / 8 KV heads of 128) and kept as data in ``prefix_cache/data/``; rerun it
+to calibrate another GPU or shape.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,15 +38,9 @@ from prefix_cache.cascade import CascadePlan
 _DATA = Path(__file__).resolve().parent / "data"
 DEFAULT_PATH = _DATA / "cost_model_h200.json"
 _FIELDS = (
-    "base_us",
-    "launch_us",
-    "level_us",
-    "kv_token_us",
-    "pair_us",
-    "join_queries",
-    "tile_queries",
-    "join_tile_tokens",
-)
+    "base_us", "launch_us", "level_us", "kv_token_us", "pair_us",
+    "group_size", "min_rows", "max_rows", "join_rows", "join_tile_tokens", "sms_per_kv_head",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -58,19 +53,27 @@ class PlanFeatures:
     pairs: float
 
 
+#: A level as the launch count sees it: per group, its query tokens and its KV tokens (int64
+#: arrays), and whether the level is causal.
+LevelShape = tuple[np.ndarray, np.ndarray, bool]
+
+
 @dataclass(frozen=True)
 class CostModel:
-    """Coefficients in microseconds and the join limits in tokens; see the module docstring.
-    ``source`` says where they came from."""
+    """Coefficients in microseconds, and the tile rule of the calibrated shape (see the module
+    docstring). ``source`` says where they came from."""
 
     base_us: float
     launch_us: float
     level_us: float
     kv_token_us: float
     pair_us: float
-    join_queries: int = 0
-    tile_queries: int = 1
-    join_tile_tokens: int = 0
+    group_size: int
+    min_rows: int
+    max_rows: int
+    join_rows: int
+    join_tile_tokens: int
+    sms_per_kv_head: float
     source: str = ""
 
     def time_us(self, features: PlanFeatures) -> float:
@@ -83,32 +86,37 @@ class CostModel:
             + self.pair_us * features.pairs
         )
 
-    def tiles(self, queries: np.ndarray | int) -> np.ndarray | int:
-        """Decode tiles of groups of ``queries`` query tokens."""
-        return -(-queries // self.tile_queries)
+    def _tile_rows(self, rows: int) -> int:
+        return max(self.min_rows, min(1 << max(rows - 1, 0).bit_length(), self.max_rows))
 
-    def joins(self, widest_queries: int, tile_tokens: int) -> bool:
-        """Whether a shared level whose largest group has ``widest_queries`` query tokens, and whose
-        groups' decode tiles read ``tile_tokens`` KV tokens in all, runs in the decode tokens'
-        launch."""
-        if widest_queries <= self.tile_queries:
-            return True
-        return widest_queries <= self.join_queries and tile_tokens <= self.join_tile_tokens
+    def launches(self, levels: Sequence[LevelShape]) -> int:
+        """The attention launches of a plan with these levels (see the module docstring)."""
+        rows = [int(q[kv > 0].max(initial=0)) * self.group_size for q, kv, _ in levels]
+        own = [self._tile_rows(r) for r in rows]
+        narrow, wide = min(own), max(own)
+        on = [narrow if r <= narrow else wide for r in rows]
+        tile_q = narrow // self.group_size
+        tiles = [-(-q // tile_q) * (kv > 0) for q, kv, _ in levels]
+        programs = sum(int(t.sum()) for t, tile in zip(tiles, on, strict=True) if tile == narrow)
+        slots = self.sms_per_kv_head * (1 if narrow >= 128 else 2 if narrow >= 64 else 4)
+        for i, ((_, kv, causal), t) in enumerate(zip(levels, tiles, strict=True)):
+            small = not causal and rows[i] <= self.join_rows and int(t @ kv) <= self.join_tile_tokens
+            if on[i] != narrow and small and programs + int(t.sum()) <= slots:
+                on[i], programs = narrow, programs + int(t.sum())
+        return len(set(on))
 
     def features(self, plan: CascadePlan) -> PlanFeatures:
         """The features of a plan made by the planner (every group's KV tokens and query tokens)."""
         kv_tokens = pairs = 0.0
-        apart = False
-        for i, level in enumerate(plan.levels):
+        shapes = []
+        for level in plan.levels:
             pages = np.diff(level.kv_indptr.astype(np.int64))
             kv_len = np.where(pages > 0, (pages - 1) * plan.page_size + level.kv_last_page_len, 0)
             q_len = np.diff(level.qo_indptr.astype(np.int64))
             kv_tokens += float(kv_len[q_len > 0].sum())
             pairs += float((kv_len * q_len).sum())
-            if i < len(plan.levels) - 1:
-                widest = int(q_len[kv_len > 0].max(initial=0))
-                apart |= not self.joins(widest, int(self.tiles(q_len) @ kv_len))
-        return PlanFeatures(len(plan.levels), 1 + apart, kv_tokens, pairs)
+            shapes.append((q_len, kv_len.astype(np.int64), level.causal))
+        return PlanFeatures(len(plan.levels), self.launches(shapes), kv_tokens, pairs)
 
     @classmethod
     def load(cls, path: str | Path = DEFAULT_PATH) -> CostModel:

@@ -1,6 +1,6 @@
 """The packaged cost model is what ``benchmarks/calibrate_planner.py`` fits from the committed
-calibration run: its coefficients regenerate from the data, and its join limits are the Triton
-backend's current ones (a change to the backend's rule without a recalibration fails here)."""
+calibration run: its coefficients regenerate from the data, and its tile rule is the Triton
+backend's current one (a change to the backend's rule without a recalibration fails here)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ def test_the_packaged_cost_model_refits_from_the_committed_calibration(tmp_path:
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
     fitted, packaged = json.loads(out.read_text()), json.loads(PACKAGED.read_text())
-    for key in ("join_queries", "tile_queries", "join_tile_tokens", "fitted_on", "shape"):
+    rule = ("group_size", "min_rows", "max_rows", "join_rows", "join_tile_tokens", "sms_per_kv_head")
+    for key in (*rule, "fitted_on", "shape"):
         assert fitted[key] == packaged[key], key
     for key in ("base_us", "launch_us", "level_us", "kv_token_us", "pair_us", "worst_chosen_over_best"):
         assert fitted[key] == pytest.approx(packaged[key], rel=1e-9), key

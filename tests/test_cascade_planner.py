@@ -1,3 +1,4 @@
+import dataclasses
 import itertools
 
 import numpy as np
@@ -244,14 +245,17 @@ def test_calibrated_cost_model_chooses_the_faster_plan() -> None:
 
 
 def test_a_shared_level_that_joins_the_decode_launch_costs_no_launch() -> None:
-    """The packaged model's join limits: 32 decodes sharing a prefix join the decode launch, 33 do
+    """The packaged model's launch count: 32 decodes sharing a prefix join the decode launch, 33 do
     not (128 rows per group at 32/8 heads), nor do 32 over a prefix whose decode tiles would read
-    over 2^25 KV elements (8 tiles of 4 decodes over 2048 tokens, K and V of 8 heads of 128)."""
+    over 2^25 KV elements (8 tiles of 4 decodes over 2048 tokens, K and V of 8 heads of 128), nor a
+    second prefix of 32 decodes past one wave (132 SMs x 4 decode programs over 8 KV heads: 66
+    tiles, against 64 + 8 + 8)."""
     model = CostModel.load()
-    for requests, prefix_pages, launches in ((32, 64, 1), (33, 64, 2), (32, 128, 1), (32, 129, 2)):
-        plan = plan_of(decode_batch([(prefix_pages, requests)]), EAGER[1])
+    cases = (([(64, 32)], 1), ([(64, 33)], 2), ([(128, 32)], 1), ([(129, 32)], 2), ([(64, 32)] * 2, 2))
+    for groups, launches in cases:
+        plan = plan_of(decode_batch(groups), EAGER[1])
         assert len(plan.levels) == 2
-        assert model.features(plan).launches == launches, (requests, prefix_pages)
+        assert model.features(plan).launches == launches, groups
 
 
 @given(batch=batches(), planner=planners)
@@ -280,7 +284,8 @@ def test_one_level_plan_of_shared_prefix_keeps_the_engine_order() -> None:
     qo = np.ones(16, dtype=np.int64)
     qo[3] = 0
     batch = Batch(tables, kv, qo, first.page_size, 2 * first.num_pages)
-    plan = plan_of(batch, CascadePlanner(cost_model=CostModel(0.0, 1e6, 1e6, 0.0, 0.0)))
+    folds = dataclasses.replace(CostModel.load(), launch_us=1e6, level_us=1e6)
+    plan = plan_of(batch, CascadePlanner(cost_model=folds))
     assert len(plan.levels) == 1
     assert plan.request_order.tolist() == [*range(3), *range(4, 16), 3]
     assert plan.query_order.tolist() == list(range(15))
@@ -635,8 +640,15 @@ def test_one_explicit_threshold_decides_without_the_cost_model() -> None:
 
 
 @settings(max_examples=150, deadline=None)
-@given(batch=batches(), joins=st.tuples(st.integers(0, 12), st.integers(1, 4), st.integers(0, 300)))
-def test_cost_model_compares_the_features_of_both_plans(batch: Batch, joins: tuple[int, int, int]) -> None:
+@given(
+    batch=batches(),
+    rule=st.fixed_dictionaries({
+        "group_size": st.integers(1, 4), "min_rows": st.just(16), "max_rows": st.sampled_from([32, 64, 128]),
+        "join_rows": st.integers(0, 48), "join_tile_tokens": st.integers(0, 300),
+        "sms_per_kv_head": st.floats(0.5, 12),
+    }),
+)  # fmt: skip
+def test_cost_model_compares_the_features_of_both_plans(batch: Batch, rule: dict) -> None:
     """What the cost model is asked about: the one-level plan and the candidates' cascade, each with
     the features ``CostModel.features`` reads off the plan itself (requests without queries included
     in the batch, not in the features; shared levels in or out of the decode launch)."""
@@ -647,7 +659,7 @@ def test_cost_model_compares_the_features_of_both_plans(batch: Batch, joins: tup
             seen.append(features)
             return super().time_us(features)
 
-    model = Recording(1.0, 1.0, 1.0, 1.0, 1.0, *joins)
+    model = Recording(1.0, 1.0, 1.0, 1.0, 1.0, **rule)
     with pytest.MonkeyPatch.context() as mp:  # candidates at any size, so that small batches have some
         mp.setattr(cascade_planner, "_MIN_SHARED_TOKENS", 1)
         mp.setattr(cascade_planner, "_MIN_SAVED_TOKENS", 0)

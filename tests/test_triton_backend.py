@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 from attention_reference import reference_attention
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from prefix_cache.cascade import CascadeLevel, CascadePlan
@@ -585,32 +585,45 @@ def test_flashinfer_levels_on_random_batches_exact_and_under_a_capacity() -> Non
     check()
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(
-    groups=st.lists(st.tuples(st.integers(1, 300), st.integers(1, 24)), min_size=1, max_size=3),
+    groups=st.lists(st.tuples(st.integers(1, 300), st.integers(1, 40)), min_size=1, max_size=3),
     branches=st.integers(1, 3),
+    queries=st.sampled_from([1, 1, 2, 5, 10]),
+    prefills=st.lists(st.integers(2, 80), max_size=3),
 )
+@example(groups=[(64, 32)], branches=1, queries=1, prefills=[])  # 128 rows: joins
+@example(groups=[(64, 33)], branches=1, queries=1, prefills=[])  # 132 rows: does not
+@example(groups=[(120, 32)], branches=1, queries=1, prefills=[])  # 8 tiles x 128 pages: the read limit
+@example(groups=[(121, 32)], branches=1, queries=1, prefills=[])  # one page over it
+@example(groups=[(8, 32), (8, 32)], branches=1, queries=1, prefills=[])  # the second prefix: a wave over
+@example(groups=[(8, 4)], branches=1, queries=1, prefills=[64])  # a prefill's wide tile beside it
+@example(groups=[(8, 3)] * 8, branches=1, queries=10, prefills=[])  # 64-row tiles: 2 per SM, a wave over
 def test_the_cost_model_counts_the_launches_the_backend_makes(
-    groups: list[tuple[int, int]], branches: int
+    groups: list[tuple[int, int]], branches: int, queries: int, prefills: list[int]
 ) -> None:
-    """The packaged cost model's join limits are the backend's at its calibrated shape (32/8 heads of
-    128, H200 tiles, the wave unbounded): decode groups over prefixes of up to 300 pages of 16 tokens
-    (either side of the 2^25-element read limit), each prefix split into ``branches`` branches of
-    8 pages, plan with as many launches as ``CostModel.features`` counts."""
+    """The packaged cost model's launch count is the backend's at its calibrated shape (32/8 heads
+    of 128, H200 tiles and SMs): decode groups over prefixes of up to 300 pages of 16 tokens (either
+    side of the 2^25-element read limit), each prefix split into ``branches`` branches of 8 pages,
+    their requests with ``queries`` new tokens each, beside prefill requests of their own (wider
+    unique tiles), plan with as many launches as ``CostModel.features`` counts."""
     pages = iter(range(1 << 20))
-    tables = []
+    tables, qo_lens = [], []
     for prefix, requests in groups:
         root = [next(pages) for _ in range(prefix)]
         for _branch in range(branches):
             branch = [next(pages) for _ in range(8)]
             tables += [np.array(root + branch + [next(pages)]) for _ in range(requests)]
+            qo_lens += [queries] * requests
+    for tokens in prefills:
+        tables.append(np.array([next(pages) for _ in range(-(-(tokens + 40) // 16))]))
+        qo_lens.append(tokens)
     kv_lens = [len(t) * 16 - 5 for t in tables]
     planner = CascadePlanner(min_shared_tokens=1, min_saved_tokens=1, cost_model=None)
-    plan = planner.plan(tables, kv_lens, [1] * len(tables), 16)
-    backend = TritonBackend(device="cpu")
+    plan = planner.plan(tables, kv_lens, qo_lens, 16)
+    backend = TritonBackend(device="cpu")  # CPU tensors: an H200's SM count
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(work, "interpreting", lambda: False)
-        mp.setattr(triton_backend, "num_sms", lambda device: 1 << 20)
         backend.plan(plan, num_qo_heads=32, num_kv_heads=8, head_dim=128)
     launches = sum(int(launch.num_work.item()) > 0 for launch in backend._launches)
     assert CostModel.load().features(plan).launches == launches
