@@ -17,8 +17,9 @@ Two steps, the first on a CUDA GPU:
    better plan, and writes the model as JSON.
 
 Usage: ``python benchmarks/calibrate_planner.py --measure OUT_JSON`` (CUDA), then
-``python benchmarks/calibrate_planner.py RESULTS_JSON [RESULTS_JSON ...] [--out MODEL_JSON]``
-(default model: prefix_cache/data/cost_model_h200.json). To calibrate another GPU, run both there.
+``python benchmarks/calibrate_planner.py [RESULTS_JSON ...] [--out MODEL_JSON]`` (defaults:
+benchmarks/results/calibration_h200.json, prefix_cache/data/cost_model_h200.json). To calibrate
+another GPU, run both there.
 """
 
 from __future__ import annotations
@@ -100,11 +101,10 @@ def tile_rule(sms: int) -> dict:
     }
 
 
-def both_plans(case):
-    """(cascade of the candidates, one level) of a case's batch."""
-    tables, kv_lens, qo_lens, _ = bench.build_batch(case)
+def both_plans(tables, kv_lens, qo_lens, page_size: int):
+    """(cascade of the candidates, one level) of a batch (``bench_attention.build_batch``)."""
     return tuple(
-        planner.plan(tables, kv_lens, qo_lens, case.page_size)
+        planner.plan(tables, kv_lens, qo_lens, page_size)
         for planner in (CascadePlanner(cost_model=None), CascadePlanner(max_levels=1, cost_model=None))
     )
 
@@ -114,10 +114,10 @@ def measure(out: str) -> None:
     dtype = torch.bfloat16
     rows = []
     for case in CASES.values():
-        cascade, one = both_plans(case)
+        tables, kv_lens, qo_lens, num_pages = bench.build_batch(case)
+        cascade, one = both_plans(tables, kv_lens, qo_lens, case.page_size)
         if len(cascade.levels) == 1:
             continue
-        tables, kv_lens, qo_lens, num_pages = bench.build_batch(case)
         gen = torch.Generator(device="cuda").manual_seed(1)
         shape = (num_pages, 2, case.page_size, KV_HEADS, HEAD_DIM)
         kv_cache = torch.randn(shape, generator=gen, device="cuda").to(dtype)
@@ -137,7 +137,7 @@ def measure(out: str) -> None:
         rows.append(row)
         print(f"{case.name:<58} {row['cascade_graph_ms']:8.4f} {row['one_level_graph_ms']:8.4f}", flush=True)
     meta = {
-        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "gpu": torch.cuda.get_device_name(),
         "sms": num_sms(torch.device("cuda")),
         "command": "python benchmarks/calibrate_planner.py " + " ".join(sys.argv[1:]),
@@ -164,7 +164,7 @@ def fit(paths: list[str], out: str) -> None:
         for row in json.loads(Path(path).read_text()):
             if row["case"] in CASES and row.get("cascade_graph_ms") and row.get("one_level_graph_ms"):
                 rows[row["case"]] = row
-    # Runs before --measure recorded the SM count were made on an H200 (the CPU default).
+    # bench_attention.py rows do not record the SM count: they count as the CPU default's, an H200's.
     sms = {int(row.get("sms", num_sms(torch.device("cpu")))) for row in rows.values()}
     if len(sms) != 1:
         raise SystemExit(f"the results come from GPUs of different SM counts {sorted(sms)}: fit one GPU")
@@ -172,7 +172,9 @@ def fit(paths: list[str], out: str) -> None:
     counting = CostModel(0.0, 0.0, 0.0, 0.0, 0.0, **rule)
     points, report = [], []
     for name, row in rows.items():
-        feats = [counting.features(plan) for plan in both_plans(CASES[name])]
+        case = CASES[name]
+        tables, kv_lens, qo_lens, _ = bench.build_batch(case)
+        feats = [counting.features(plan) for plan in both_plans(tables, kv_lens, qo_lens, case.page_size)]
         for f, key in zip(feats, ("cascade_graph_ms", "one_level_graph_ms"), strict=True):
             points.append(([1.0, f.launches - 1, f.levels - 1, f.kv_tokens, f.pairs], row[key] * 1e3))
         report.append((name, feats, row["cascade_graph_ms"], row["one_level_graph_ms"]))
@@ -206,7 +208,7 @@ def fit(paths: list[str], out: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("results", nargs="*", default=[str(HERE / "results" / "attention_h200.json")])
+    parser.add_argument("results", nargs="*", default=[str(HERE / "results" / "calibration_h200.json")])
     parser.add_argument("--measure", metavar="OUT_JSON", help="time the calibration batches (CUDA)")
     parser.add_argument("--out", default=str(DEFAULT_PATH))
     args = parser.parse_args()

@@ -87,6 +87,7 @@ class CostModel:
         )
 
     def _tile_rows(self, rows: int) -> int:
+        # tile_config's rows (next_pow2, clamped): kernels/ needs torch, the cost model only numpy.
         return max(self.min_rows, min(1 << max(rows - 1, 0).bit_length(), self.max_rows))
 
     def launches(self, levels: Sequence[LevelShape]) -> int:
@@ -115,7 +116,7 @@ class CostModel:
             q_len = np.diff(level.qo_indptr.astype(np.int64))
             kv_tokens += float(kv_len[q_len > 0].sum())
             pairs += float((kv_len * q_len).sum())
-            shapes.append((q_len, kv_len.astype(np.int64), level.causal))
+            shapes.append((q_len, kv_len, level.causal))
         return PlanFeatures(len(plan.levels), self.launches(shapes), kv_tokens, pairs)
 
     @classmethod
