@@ -140,7 +140,7 @@ def measure(out: str) -> None:
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "gpu": torch.cuda.get_device_name(),
         "sms": num_sms(torch.device("cuda")),
-        "command": "python benchmarks/calibrate_planner.py " + " ".join(sys.argv[1:]),
+        "command": " ".join(["python benchmarks/calibrate_planner.py", *sys.argv[1:]]),
     }
     Path(out).write_text(json.dumps([{**meta, **row} for row in rows], indent=1) + "\n")
 
@@ -200,7 +200,7 @@ def fit(paths: list[str], out: str) -> None:
         "fitted_on": f"{', '.join(gpus)} {' / '.join(dates)}, {len(points)} plans of {len(report)} batches",
         "shape": SHAPE,
         "worst_chosen_over_best": worst,
-        "command": "python benchmarks/calibrate_planner.py " + " ".join(sys.argv[1:]),
+        "command": " ".join(["python benchmarks/calibrate_planner.py", *sys.argv[1:]]),
     }
     Path(out).write_text(json.dumps(data, indent=1) + "\n")
     print(json.dumps(data, indent=1))
