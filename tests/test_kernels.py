@@ -836,3 +836,39 @@ def test_gpu_cuda_graph_replays_across_plans(dtype):
     too_many = CascadePlanner().plan([[i] for i in range(max_tokens + 1)], [9] * 97, [1] * 97, page_size)
     with pytest.raises(ValueError, match="97 query tokens, over the backend's capacity"):
         backend.plan(too_many, **heads)
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_cuda_graph_of_an_exact_plan_with_two_launches():
+    """An exact plan whose shared level takes the wide tile (48 decodes x 4 heads = 192 rows) beside
+    the decode launch, captured once: the second launch runs on a side stream inside the graph, and
+    every replay with fresh queries matches the float64 reference, so the merge waits for both."""
+    from attention_reference import reference_attention
+
+    page_size, hq, hkv, d, requests = 16, 32, 8, 128, 48
+    rng = np.random.default_rng(1)
+    pages = rng.permutation(64 + 4 * requests).astype(np.int32)
+    tables = [np.r_[pages[:64], pages[64 + 4 * r : 68 + 4 * r]] for r in range(requests)]
+    kv_lens, qo_lens = [64 * page_size + 50] * requests, [1] * requests
+    plan = CascadePlanner(cost_model=None).plan(tables, kv_lens, qo_lens, page_size)
+    backend = TritonBackend("cuda")
+    backend.plan(plan, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, q_dtype=torch.bfloat16)
+    assert [int(launch.num_work.item()) > 0 for launch in backend._launches] == [True, True]
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    kv_cache = torch.randn(len(pages), 2, page_size, hkv, d, generator=gen, device="cuda").to(torch.bfloat16)
+    q = torch.zeros(requests, hq, d, device="cuda", dtype=torch.bfloat16)
+    out = torch.zeros_like(q)
+    backend.run(q, kv_cache, out=out)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        backend.run(q, kv_cache, out=out)
+    for _ in range(3):
+        q.normal_(generator=gen)
+        out.fill_(float("nan"))
+        graph.replay()
+        expected = reference_attention(q, kv_cache, tables, kv_lens, qo_lens, d**-0.5)
+        assert out.isfinite().all()
+        tol = ATOL[torch.bfloat16] * float(expected.abs().max())
+        torch.testing.assert_close(out.double(), expected, atol=tol, rtol=0)
