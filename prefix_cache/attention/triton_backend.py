@@ -14,6 +14,7 @@ With a ``GraphCapacity`` the backend keeps fixed-size buffers and a fixed set of
 and a wide tile, each over a fixed persistent grid, then the merge over one program per token of
 the capacity): ``run`` can be captured in a CUDA graph once and replayed after any later ``plan``
 that fits the capacity, because ``plan`` only rewrites the contents of the same device buffers.
+In a captured graph the two attention launches are parallel branches (``launch_levels``).
 
 On Hopper the auto backend also gives the backend a ``SharedLevelsOnFlashInfer``
 (``flashinfer_levels``): a long shared level with many query rows then runs on FlashInfer's FA3
