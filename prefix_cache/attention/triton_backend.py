@@ -473,7 +473,7 @@ class TritonBackend(AttentionBackend):
         they overlap. On the H200 that took 1-5 µs (2-7%) off every replayed decode batch of the
         attention benchmark, also where both launches have work, and left prefill as it was; a
         fixed-capacity launch with no work in the plan then costs little (benchmarks/NOTES.md,
-        attempt 25). Eager runs stay on one stream: the switch costs ~40 µs of host time.
+        attempt 25). Eager runs stay on one stream: the switch cost 13-89 µs of host time per run there.
         """
         launches = list(zip(self._launches, self._attention_launches, strict=True))
         side = None
