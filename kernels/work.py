@@ -11,6 +11,7 @@ runs any list of them, from any number of levels, in one launch.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -57,14 +58,28 @@ class TileConfig:
 def tile_config(max_rows: int, group_size: int, head_dim: int, page_size: int) -> TileConfig:
     """The tile for a level whose largest group has ``max_rows`` query rows (tokens x group_size),
     over pages of ``page_size`` tokens. tl.dot needs every block dimension >= 16."""
+    return _tile_config(next_pow2(max_rows), group_size, head_dim, page_size, interpreting())
+
+
+def tile_configs(max_rows: Sequence[int], group_size: int, head_dim: int, page_size: int) -> list[TileConfig]:
+    """``tile_config`` of each of ``max_rows`` (a plan's levels), looking at the environment once: for
+    an unset variable ``os.environ`` raises and catches a KeyError (1 µs alone on a 2-core EPYC)."""
+    interpreted = interpreting()
+    return [_tile_config(next_pow2(rows), group_size, head_dim, page_size, interpreted) for rows in max_rows]
+
+
+@functools.lru_cache(maxsize=256)
+def _tile_config(rows: int, group_size: int, head_dim: int, page_size: int, interpreted: bool) -> TileConfig:
+    """``tile_config`` for ``rows`` query rows, a power of two. Remembered: a plan asks for a tile per
+    level, ~7 µs each to make on a 2-core EPYC, ~2 µs remembered."""
     block_d = max(16, next_pow2(head_dim))
     floor_m = max(16, next_pow2(group_size))
-    if interpreting():
+    if interpreted:
         # The interpreter is slow per operation, not per element; small KV tiles still exercise
         # multi-tile loops in tests at tiny sizes.
-        return TileConfig(max(floor_m, min(next_pow2(max_rows), 64)), 16, 1, 1)
+        return TileConfig(max(floor_m, min(rows, 64)), 16, 1, 1)
     cap_m = 128 if block_d <= 128 else 64
-    block_m = max(floor_m, min(next_pow2(max_rows), cap_m))
+    block_m = max(floor_m, min(rows, cap_m))
     # Decode tiles (16 rows) over pages of 16+ tokens: two KV stages, not three, so more programs
     # stay resident per SM (an H200 sweep: 4-21% less GPU time on the unique levels of shared
     # batches, 4-7% more on a few small one-level batches; pages of 1 token lost 22% and keep three).
@@ -86,10 +101,8 @@ def tile_config(max_rows: int, group_size: int, head_dim: int, page_size: int) -
 def fixed_tile_configs(group_size: int, head_dim: int, page_size: int) -> tuple[TileConfig, TileConfig]:
     """(narrow, wide): the two tiles of a fixed-launch (CUDA-graph) schedule. Narrow fits one query
     token of a group (decode); wide is the largest tile, for groups of many queries."""
-    return (
-        tile_config(1, group_size, head_dim, page_size),
-        tile_config(1 << 20, group_size, head_dim, page_size),
-    )
+    narrow, wide = tile_configs([1, 1 << 20], group_size, head_dim, page_size)
+    return narrow, wide
 
 
 @dataclass(frozen=True)
@@ -115,6 +128,19 @@ class LevelArrays:
         return int(self.q_len[self.kv_len > 0].max(initial=0))
 
 
+def end_to_end(levels: Sequence[LevelArrays]) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """(q_len, kv_len, starts): the levels' groups laid end to end (int64), each level closed by one
+    group without queries or KV, and where each level starts. A sum or a maximum per level over
+    non-negative values is then one ``reduceat`` at ``starts``, whatever the levels hold (a level
+    without groups reads its closing group only): numpy's 1-2 µs per call, not the data, is the
+    cost of a plan's few hundred groups."""
+    closing = np.zeros(1, dtype=np.int64)
+    q_len = np.concatenate([a for level in levels for a in (level.q_len, closing)] or [closing[:0]])
+    kv_len = np.concatenate([a for level in levels for a in (level.kv_len, closing)] or [closing[:0]])
+    starts = itertools.accumulate((level.q_len.shape[0] + 1 for level in levels), initial=0)
+    return q_len, kv_len, list(starts)[:-1]
+
+
 def _as_int_array(name: str, a: np.ndarray | torch.Tensor, *, widen: bool = True) -> np.ndarray:
     """``a`` as a 1-D integer numpy array: int64 when ``widen``, else in its own dtype (no copy of a
     numpy array: page id lists are large, and their range is checked in place)."""
@@ -124,12 +150,18 @@ def _as_int_array(name: str, a: np.ndarray | torch.Tensor, *, widen: bool = True
     return arr.astype(np.int64, copy=False) if widen or arr.size == 0 else arr
 
 
+@functools.cache
+def _unsigned(dtype: np.dtype) -> np.dtype:
+    """The unsigned integer dtype of ``dtype``'s size and byte order."""
+    return np.dtype(dtype.str.replace("i", "u"))
+
+
 def _page_id_bound(ids: np.ndarray) -> int:
     """One past the largest page id in ``ids`` (non-empty, integer): at most 2**31 when every id is in
     [0, 2**31), more than 2**31 when any is not. Signed ids of 4 or 8 bytes in one pass: read as
     unsigned, a negative id is 2**31 or more."""
     if ids.dtype.kind == "i" and ids.dtype.itemsize >= 4:
-        return int(ids.view(ids.dtype.str.replace("i", "u")).max()) + 1
+        return int(ids.view(_unsigned(ids.dtype)).max()) + 1
     if ids.dtype.kind == "i" and ids.min() < 0:
         return 2**32
     return int(ids.max()) + 1
@@ -175,6 +207,74 @@ def check_level(
     if qo[-1] >= 2**30 or kv_len.max(initial=0) >= 2**30:
         raise ValueError("level too large: query tokens and KV lengths must stay below 2**30")
     return LevelArrays(qo, kvp, idx, q_len, kv_len, max_page)
+
+
+#: A level's index arrays as ``check_level`` takes them: (qo_indptr, kv_indptr, kv_indices,
+#: kv_last_page_len).
+LevelIndices = tuple[np.ndarray | torch.Tensor, ...]
+
+
+def check_levels(levels: Sequence[LevelIndices], page_size: int) -> list[LevelArrays]:
+    """``check_level`` of each level, in order: the same arrays, and the same error for the first
+    level it rejects. A plan's levels are checked together in ~20 numpy calls and one pass over each
+    level's page ids, instead of ~30 calls per level (numpy's 1-2 µs per call is the cost on arrays
+    of a few hundred groups); anything else (tensors, non-integer arrays, any check that fails) goes
+    through ``check_level`` level by level, which raises its error."""
+    checked = _check_together(levels, page_size)
+    if checked is None:
+        checked = [check_level(*level, page_size) for level in levels]
+    return checked
+
+
+def _check_together(levels: Sequence[LevelIndices], page_size: int) -> list[LevelArrays] | None:
+    """``check_levels`` of 1-D integer numpy arrays that pass every check, else None.
+
+    The indptrs of all levels are one int64 array, the qo_indptrs (T entries in all) then the
+    kv_indptrs, differenced in one subtraction. The differences across a seam (one level's last
+    entry and the next one's first, or the last qo_indptr entry and the first kv_indptr one) belong
+    to no group and are zeroed; the kv_last_page_len arrays are laid out with one filler entry at
+    each seam, so that they line up with the kv_indptr differences."""
+    arrays = [a for level in levels for a in level]
+    if page_size <= 0 or not levels or len(arrays) != 4 * len(levels):
+        return None
+    if not all(type(a) is np.ndarray and a.ndim == 1 and a.dtype.kind in "iu" for a in arrays):
+        return None
+    groups = [level[3].shape[0] for level in levels]
+    if any(lv[0].shape[0] != n + 1 or lv[1].shape[0] != n + 1 for lv, n in zip(levels, groups, strict=True)):
+        return None
+    firsts = list(itertools.accumulate([n + 1 for n in groups[:-1]], initial=0))  # of each level's indptrs
+    lasts = [first + n for first, n in zip(firsts, groups, strict=True)]
+    total = lasts[-1] + 1
+    indptrs = [lv[0] for lv in levels] + [lv[1] for lv in levels]
+    ptr = np.concatenate(indptrs, dtype=np.int64, casting="unsafe")
+    diff = ptr[1:] - ptr[:-1]
+    diff[lasts + [total + last for last in lasts[:-1]]] = 0  # the seams
+    filler = np.zeros(1, dtype=np.int64)
+    last_len = np.concatenate(
+        [a for lv in levels for a in (filler, lv[3])][1:], dtype=np.int64, casting="unsafe"
+    )
+    edges = ptr[firsts + lasts + [total + i for i in firsts + lasts]].tolist()
+    qo_first, qo_last, kv_first, kv_last = (edges[i * len(levels) : (i + 1) * len(levels)] for i in range(4))
+    if any(qo_first) or min(kv_first) < 0 or diff.min(initial=0) < 0:
+        return None
+    if any(end > lv[2].shape[0] for end, lv in zip(kv_last, levels, strict=True)):
+        return None
+    num_pages = diff[total:]
+    missing = (page_size - last_len) * (num_pages > 0)  # check_level's, in fewer numpy calls
+    if missing.view(np.uint64).max(initial=0) >= page_size:
+        return None
+    kv_len = num_pages * page_size - missing
+    if max(qo_last) >= 2**30 or kv_len.max(initial=0) >= 2**30:
+        return None
+    checked = []
+    for lv, first, last, start, end in zip(levels, firsts, lasts, kv_first, kv_last, strict=True):
+        idx = lv[2] if lv[2].size else lv[2].astype(np.int64, copy=False)
+        max_page = _page_id_bound(idx[start:end]) - 1 if end > start else -1
+        if max_page >= 2**31:
+            return None
+        qo, kvp = ptr[first : last + 1], ptr[total + first : total + last + 1]
+        checked.append(LevelArrays(qo, kvp, idx, diff[first:last], kv_len[first:last], max_page))
+    return checked
 
 
 def auto_chunk(

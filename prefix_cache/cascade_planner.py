@@ -117,7 +117,7 @@ class CascadePlanner:
         lcp_bytes = lcp.astype(np.int64, copy=False).tobytes()
         nodes, shared_end = _sharing(lcp_bytes, batch, page_size, min_shared, min_saved, self.max_levels)
 
-        qo_planned = qo[order]
+        qo_planned, kv_planned = qo[order], kv[order]
         qo_indptr = np.zeros(batch + 1, dtype=np.int64)
         qo_planned.cumsum(out=qo_indptr[1:])
         qo_at = qo_indptr.tolist()
@@ -125,7 +125,7 @@ class CascadePlanner:
         if nodes and self._cost_model_decides():
             flat = PlanFeatures(1, 1, float(kv @ active), float(qo @ kv))
             cascade = _cascade_features(
-                self.cost_model, nodes, qo_planned, qo_at, kv[order], shared_end, page_size
+                self.cost_model, nodes, qo_planned, qo_at, kv_planned, shared_end, page_size
             )
             if self.cost_model.time_us(flat) <= self.cost_model.time_us(cascade):
                 nodes, shared_end = (), np.zeros(batch, dtype=np.int64)
@@ -134,16 +134,17 @@ class CascadePlanner:
             # holding no query tokens): query_order is then the identity and a backend needs no
             # permutation of q or the output.
             order = np.concatenate([np.flatnonzero(active), np.flatnonzero(~active)])
-            qo_planned = qo[order]
+            qo_planned, kv_planned = qo[order], kv[order]
             qo_planned.cumsum(out=qo_indptr[1:])
             qo_at = qo_indptr.tolist()
 
-        num_shared = max((n.level + 1 for n in nodes), default=0)
-        levels = [
-            _shared_level([n for n in nodes if n.level == d], pages, order, qo_at, page_size)
-            for d in range(num_shared)
-        ]
-        levels.append(_unique_level(pages, order, kv, qo_planned, qo_indptr, shared_end, page_size))
+        # Nodes come in pre-order, so each level's are in planned order.
+        by_level: list[list[_Node]] = [[] for _ in range(max((n.level + 1 for n in nodes), default=0))]
+        for node in nodes:
+            by_level[node.level].append(node)
+        rows = order.tolist() if nodes else []
+        levels = [_shared_level(level, pages, rows, qo_at, page_size) for level in by_level]
+        levels.append(_unique_level(pages, order, kv_planned, qo_planned, qo_indptr, shared_end, page_size))
         if unchecked:
             check_read_page_ids(pages, -(-kv // page_size), active, levels)
 
@@ -224,16 +225,21 @@ def _cascade_features(
     num_shared = max((n.level for n in nodes), default=-1) + 1
     queries: list[list[int]] = [[] for _ in range(num_shared)]  # per shared level, per group
     tokens: list[list[int]] = [[] for _ in range(num_shared)]
+    # The shared levels' few groups are summed as Python ints (a numpy call costs more than a
+    # dozen of those).
+    shared_tokens = shared_pairs = 0
     for node in nodes:
-        queries[node.level].append(qo_at[node.hi] - qo_at[node.lo])
-        tokens[node.level].append((node.end - node.start) * page_size)
+        q, t = qo_at[node.hi] - qo_at[node.lo], (node.end - node.start) * page_size
+        queries[node.level].append(q)
+        tokens[node.level].append(t)
+        shared_tokens, shared_pairs = shared_tokens + t, shared_pairs + q * t
     own = (kv_planned - shared_end * page_size) * (qo_planned > 0)
+    kv_tokens = float(shared_tokens + own.sum())
+    pairs = float(shared_pairs + own @ qo_planned)
     shapes = [
         (np.array(q, dtype=np.int64), np.array(t, dtype=np.int64), False)
         for q, t in zip(queries, tokens, strict=True)
     ]
-    kv_tokens = float(sum(int(t.sum()) for _, t, _ in shapes) + own.sum())
-    pairs = float(sum(int(q @ t) for q, t, _ in shapes) + own @ qo_planned)
     shapes.append((qo_planned, own, True))
     return PlanFeatures(num_shared + 1, model.launches(shapes), kv_tokens, pairs)
 
@@ -271,19 +277,21 @@ def _sort_and_lcp(
     most shareable pages of any request; a request with queries has more pages than it can share)
     with a -1, which no page id is, in the column after its shareable pages. Either way the entries
     after a request's shareable pages order the requests that share all of them."""
-    ids = np.flatnonzero(active)
     inactive = np.flatnonzero(~active)
     width = int(shareable.max(initial=0))
-    if ids.size < 2 or width == 0:
+    if active.shape[0] - inactive.shape[0] < 2 or width == 0:
+        ids = np.flatnonzero(active)
         return np.concatenate([ids, inactive]), np.zeros(max(ids.size - 1, 0), dtype=np.int64)
     if whole_rows is not None:
         perm = np.argsort(_void_rows(whole_rows), kind="stable")
-        perm = perm[active[perm]]
+        if inactive.size:
+            perm = perm[active[perm]]
         share = shareable[perm]
         first = _first_differences(whole_rows, perm, width)
         low = np.minimum(share[:-1], share[1:])
         if not ((first > low) & (share[:-1] != share[1:])).any():
-            return np.concatenate([perm, inactive]), np.minimum(first, low)
+            return (np.concatenate([perm, inactive]) if inactive.size else perm), np.minimum(first, low)
+    ids = np.flatnonzero(active)
     share = shareable[ids]
     # (One 2 MB temporary at most at 256 x 2000 pages: a larger peak makes the heap shrink and fault
     # in again on every plan, costing more than the sort.) A -1 rather than zeros after the shareable
@@ -352,24 +360,26 @@ def _lcp_intervals(lcp: np.ndarray) -> list[tuple[int, int, int]]:
 def _shared_level(
     nodes: list[_Node],
     pages: Pages,
-    order: np.ndarray,
+    rows: list[int],
     qo_at: list[int],
     page_size: int,
 ) -> CascadeLevel:
-    """One group per node of this level, and one group without KV per run of requests between them.
-    ``qo_at``: the planned query offsets (``batch + 1``)."""
+    """One group per node of this level (in planned order), and one group without KV per run of
+    requests between them. ``rows``: the planned order (request per position); ``qo_at``: the
+    planned query offsets (``batch + 1``)."""
     group_qo = [0]
     group_pages: list[np.ndarray] = []
     num_pages: list[int] = []
     position = 0
-    rows = order.tolist()
-    for node in sorted(nodes, key=lambda n: n.lo):
+    two_d = isinstance(pages, np.ndarray)
+    for node in nodes:
         if qo_at[node.lo] > qo_at[position]:
             group_qo.append(qo_at[node.lo])
             num_pages.append(0)
         group_qo.append(qo_at[node.hi])
         # Members share these pages by construction; any member's table gives them.
-        group_pages.append(pages[rows[node.lo]][node.start : node.end])
+        row = rows[node.lo]
+        group_pages.append(pages[row, node.start : node.end] if two_d else pages[row][node.start : node.end])
         num_pages.append(node.end - node.start)
         position = node.hi
     if qo_at[-1] > qo_at[position]:
@@ -387,18 +397,18 @@ def _shared_level(
 def _unique_level(
     pages: Pages,
     order: np.ndarray,
-    kv: np.ndarray,
+    kv_planned: np.ndarray,
     qo_planned: np.ndarray,
     qo_indptr: np.ndarray,
     shared_end: np.ndarray,
     page_size: int,
 ) -> CascadeLevel:
     """One causal group per request: its pages after its deepest shared segment (none if it has no
-    queries). Always non-empty for a request with queries: shared segments stop before new tokens."""
-    kv_planned = kv[order]
+    queries). Always non-empty for a request with queries: shared segments stop before new tokens.
+    ``kv_planned``, ``qo_planned``: the lengths in planned order."""
     # Requests without queries have no pages here, and no shared ones either (they sit after every
     # shared node): their end is their shared_end, 0.
-    end = -(kv_planned // -page_size) * (qo_planned > 0)
+    end = (kv_planned + (page_size - 1)) // page_size * (qo_planned > 0)
     first, stop = (int(shared_end[0]), int(end[0])) if end.size else (0, 0)
     if isinstance(pages, np.ndarray) and (shared_end == first).all() and (end == stop).all():
         # Every request reads the same columns (samples of one prompt in step): one 2-D gather.
@@ -411,7 +421,7 @@ def _unique_level(
             if isinstance(pages, np.ndarray)
             else [pages[r][s:e] for r, s, e in spans]
         )
-    last = (kv_planned - (end - 1) * page_size) * (end > shared_end)
+    last = ((kv_planned - 1) % page_size + 1) * (end > shared_end)  # tokens in the last page
     return CascadeLevel(
         qo_indptr=qo_indptr.astype(_I32),
         kv_indptr=_indptr(end - shared_end),

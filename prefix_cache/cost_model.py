@@ -26,6 +26,7 @@ to calibrate another GPU or shape.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -92,18 +93,27 @@ class CostModel:
 
     def launches(self, levels: Sequence[LevelShape]) -> int:
         """The attention launches of a plan with these levels (see the module docstring)."""
-        rows = [int(q[kv > 0].max(initial=0)) * self.group_size for q, kv, _ in levels]
+        # The levels' groups end to end, each level closed by a group without queries or KV: a sum
+        # or maximum per level is one reduceat (numpy's per-call cost, not the data, is the cost).
+        closing = np.zeros(1, dtype=np.int64)
+        q = np.concatenate([a for q, _, _ in levels for a in (q, closing)] or [closing[:0]])
+        kv = np.concatenate([a for _, kv, _ in levels for a in (kv, closing)] or [closing[:0]])
+        starts = list(itertools.accumulate((s[0].shape[0] + 1 for s in levels), initial=0))[:-1]
+        q_with_kv = q * (kv > 0)
+        rows = [r * self.group_size for r in np.maximum.reduceat(q_with_kv, starts).tolist()]
         own = [self._tile_rows(r) for r in rows]
         narrow, wide = min(own), max(own)
         on = [narrow if r <= narrow else wide for r in rows]
         tile_q = narrow // self.group_size
-        tiles = [-(-q // tile_q) * (kv > 0) for q, kv, _ in levels]
-        programs = sum(int(t.sum()) for t, tile in zip(tiles, on, strict=True) if tile == narrow)
+        tiles = -(-q_with_kv // tile_q)  # per group with KV, on the narrow tile
+        level_tiles = np.add.reduceat(tiles, starts).tolist()
+        level_reads = np.add.reduceat(tiles * kv, starts).tolist()  # KV tokens the level's tiles read
+        programs = sum(t for t, tile in zip(level_tiles, on, strict=True) if tile == narrow)
         slots = self.sms_per_kv_head * (1 if narrow >= 128 else 2 if narrow >= 64 else 4)
-        for i, ((_, kv, causal), t) in enumerate(zip(levels, tiles, strict=True)):
-            small = not causal and rows[i] <= self.join_rows and int(t @ kv) <= self.join_tile_tokens
-            if on[i] != narrow and small and programs + int(t.sum()) <= slots:
-                on[i], programs = narrow, programs + int(t.sum())
+        for i, ((_, _, causal), t, reads) in enumerate(zip(levels, level_tiles, level_reads, strict=True)):
+            small = not causal and rows[i] <= self.join_rows and reads <= self.join_tile_tokens
+            if on[i] != narrow and small and programs + t <= slots:
+                on[i], programs = narrow, programs + t
         return len(set(on))
 
     def features(self, plan: CascadePlan) -> PlanFeatures:

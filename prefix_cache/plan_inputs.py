@@ -60,11 +60,11 @@ def check_plan_inputs(
         raise ValueError(f"request {i}: qo_len {qo[i]} exceeds kv_len {kv[i]} (queries are part of the KV)")
     if int(qo.sum()) > _I32_MAX:  # query offsets are int32
         raise ValueError(f"qo_lens must sum to less than 2**31, got {int(qo.sum())}")
-    num_pages = -(-kv // page_size)
-    width = int(num_pages.max(initial=0))
     if isinstance(block_tables, np.ndarray):
         _check_int_dtype("block_tables", block_tables)  # once for all rows
+        width = -(-int(kv.max(initial=0)) // page_size)  # the most pages a request uses
         if block_tables.shape[1] < width:
+            num_pages = -(-kv // page_size)
             i = int(np.argmax(num_pages > block_tables.shape[1]))
             raise ValueError(
                 f"request {i}: {block_tables.shape[1]} pages for kv_len {kv[i]}, needs {num_pages[i]}"
@@ -75,8 +75,9 @@ def check_plan_inputs(
         # Every entry in range (unused ones too) is the common case and one pass; otherwise look at
         # the used entries only.
         if matrix.size and (matrix.min() < 0 or matrix.max() > _I32_MAX):
-            _check_page_ids(matrix, num_pages)
+            _check_page_ids(matrix, -(-kv // page_size))
         return kv, qo, matrix.astype(_I32), page_size, False
+    num_pages = -(-kv // page_size)
     tables = [
         # Integer numpy rows (the fast path) are taken as they are; anything else is checked.
         (

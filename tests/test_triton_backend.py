@@ -166,7 +166,7 @@ def test_an_exact_plan_runs_at_most_two_attention_launches(monkeypatch: pytest.M
     backend.plan(plan, **HEADS)
     group = HEADS["num_qo_heads"] // HEADS["num_kv_heads"]
     rows = [level.max_rows_per_group * group for level in triton_backend.checked_levels(plan)]
-    own = {triton_backend.tile_config(r, group, HEADS["head_dim"], 4).block_m for r in rows}
+    own = {work.tile_config(r, group, HEADS["head_dim"], 4).block_m for r in rows}
     assert len(own) == 3, f"the levels' own tiles must differ, got {own}"
     assert sorted(launch.tile.block_m for launch in backend._launches) == [min(own), max(own)]
     kv_cache = torch.randn(16 + requests, 2, 4, 1, 16, generator=gen).to(DEVICE)

@@ -19,6 +19,7 @@ from prefix_cache.kernels.work import (
     TileConfig,
     auto_chunk,
     check_level,
+    check_levels,
     level_work,
     levels_work,
     longest_first,
@@ -212,6 +213,45 @@ def test_longest_first_by_launch() -> None:
 def test_check_level_rejects(qo, kvp, idx, last, page_size, message) -> None:
     with pytest.raises(ValueError, match=message):
         check_level(np.array(qo), np.array(kvp), np.array(idx), np.array(last), page_size)
+
+
+def _outcome(check):
+    """The arrays ``check()`` returns (as lists, with their dtypes), or the error it raises."""
+    try:
+        arrays = [[lv.qo_indptr, lv.kv_indptr, lv.kv_indices, lv.q_len, lv.kv_len] for lv in check()]
+    except ValueError as exc:
+        return str(exc)
+    return [[(a.tolist(), a.dtype) for a in level] for level in arrays]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_check_levels_is_check_level_of_each(seed: int) -> None:
+    """A plan's levels checked together: check_level's arrays for each level, and check_level's error
+    for the first level it rejects, whichever entry of whichever level is off (indptrs out of order
+    or range, last page lengths, page ids, sizes at the 2**30 limit, a 2-D array)."""
+    rng = np.random.default_rng(300 + seed)
+    for _ in range(400):
+        page_size = int(rng.choice([1, 4, 16]))
+        levels = []
+        for _ in range(int(rng.integers(1, 5))):
+            groups = int(rng.integers(0, 6))
+            pages = rng.integers(0, 4, groups) * (rng.random(groups) < 0.8)
+            qo = np.concatenate([[0], np.cumsum(rng.integers(0, 4, groups))])
+            kvp = np.concatenate([[0], np.cumsum(pages)])
+            last = np.where(pages > 0, rng.integers(1, page_size + 1, groups), 0)
+            arrays = [qo, kvp, rng.integers(0, 99, int(kvp[-1])), last]
+            arrays = [a.astype(rng.choice([np.int32, np.int64, np.uint32])) for a in arrays]
+            if rng.random() < 0.15:
+                k = int(rng.integers(0, 4))
+                off = arrays[k].astype(np.int64)
+                if off.size:
+                    off[int(rng.integers(0, off.size))] += int(rng.choice([-1, 1, -50, 2**30, 2**31]))
+                arrays[k] = off
+            if rng.random() < 0.03:
+                arrays[int(rng.integers(0, 4))] = np.zeros((1, 1), dtype=np.int32)
+            levels.append(tuple(arrays))
+        each = _outcome(lambda: [check_level(*level, page_size) for level in levels])  # noqa: B023
+        assert _outcome(lambda: check_levels(levels, page_size)) == each  # noqa: B023
 
 
 def test_check_level_accepts_the_largest_values() -> None:

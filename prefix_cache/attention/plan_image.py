@@ -42,6 +42,7 @@ class Upload:
     def __init__(self, device: torch.device) -> None:
         self._pinned = device.type == "cuda"
         self._host = torch.zeros(0, dtype=torch.int32)
+        self._host_array = self._host.numpy()  # the same memory
         self._done: torch.cuda.Event | None = None
 
     def image(self, size: int) -> np.ndarray:
@@ -52,7 +53,8 @@ class Upload:
             self._host = torch.zeros(
                 max(size, 2 * self._host.numel()), dtype=torch.int32, pin_memory=self._pinned
             )
-        return self._host.numpy()[:size]
+            self._host_array = self._host.numpy()
+        return self._host_array[:size]
 
     def copy(self, dst: torch.Tensor, size: int) -> None:
         """Copy the first ``size`` elements of the image into ``dst[:size]``."""
@@ -95,7 +97,7 @@ def fill_image(
         at += level.kv_indices.shape[0]
     # A token's rows in the levels before each, and in all: one row add per level (numpy's cumsum
     # along the levels costs more on these short arrays).
-    before = np.zeros_like(splits)
+    before = np.zeros(splits.shape, dtype=splits.dtype)
     for i in range(1, splits.shape[0]):
         np.add(before[i - 1], splits[i - 1], out=before[i])
     rows_per_token = before[-1] + splits[-1]

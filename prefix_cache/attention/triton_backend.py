@@ -41,11 +41,12 @@ from prefix_cache.kernels.work import (
     WORK_COLS,
     LevelArrays,
     TileConfig,
-    check_level,
+    check_levels,
+    end_to_end,
     fixed_tile_configs,
     levels_work,
     longest_first,
-    tile_config,
+    tile_configs,
 )
 
 # A shared (non-causal) level joins the decode tokens' launch on the narrow tile when it has at most
@@ -118,12 +119,23 @@ class _Launch:
     num_programs: int
 
 
+def _is_permutation(order: np.ndarray) -> bool:
+    """Whether int64 ``order`` [n] holds each of 0..n-1 once: in range (a negative entry reads as
+    2**63 or more unsigned) and every position hit (fewer numpy calls than a sort and a compare)."""
+    n = order.shape[0]
+    if n == 0:
+        return True
+    if int(order.view(np.uint64).max()) >= n:
+        return False
+    seen = np.zeros(n, dtype=bool)
+    seen[order] = True
+    return bool(seen.all())
+
+
 def checked_levels(plan: CascadePlan) -> list[LevelArrays]:
-    """The plan's levels as checked index arrays (``check_level``), in order."""
-    return [
-        check_level(lv.qo_indptr, lv.kv_indptr, lv.kv_indices, lv.kv_last_page_len, plan.page_size)
-        for lv in plan.levels
-    ]
+    """The plan's levels as checked index arrays (``check_levels``), in order."""
+    indices = [(lv.qo_indptr, lv.kv_indptr, lv.kv_indices, lv.kv_last_page_len) for lv in plan.levels]
+    return check_levels(indices, plan.page_size)
 
 
 class TritonBackend(AttentionBackend):
@@ -205,7 +217,7 @@ class TritonBackend(AttentionBackend):
             if level.num_query_tokens != nq:
                 raise ValueError(f"level {i} covers {level.num_query_tokens} query tokens, the plan has {nq}")
         order = np.asarray(plan.query_order, dtype=np.int64)
-        if order.shape != (nq,) or (nq and not np.array_equal(np.sort(order), np.arange(nq))):
+        if order.shape != (nq,) or not _is_permutation(order):
             raise ValueError("plan.query_order must be a permutation of the query tokens")
         if self.capacity is None:
             self._prepare_exact(plan, levels, order)
@@ -232,21 +244,24 @@ class TritonBackend(AttentionBackend):
         benchmarks/NOTES.md, attempt 22). A small shared level runs on the narrow tile instead, in
         the decode tokens' launch (see ``SHARED_ON_NARROW_ROWS``)."""
         group = self.num_qo_heads // self.num_kv_heads
-        rows = [level.max_rows_per_group * group for level in levels]
+        q_len, kv_len, starts = end_to_end(levels)
+        q_with_kv = q_len * (kv_len > 0)
+        rows = [r * group for r in np.maximum.reduceat(q_with_kv, starts).tolist()]
         if tiles is None:
-            own = [tile_config(r, group, self.head_dim, page_size) for r in rows]
+            own = tile_configs(rows, group, self.head_dim, page_size)
             tiles = (min(own, key=lambda tile: tile.block_m), max(own, key=lambda tile: tile.block_m))
         fitting = [next((tile for tile in tiles if r <= tile.block_m), tiles[-1]) for r in rows]
         narrow = tiles[0]
-        tile_q = narrow.block_m // group
-        m_tiles = [-(-level.q_len // tile_q) * (level.kv_len > 0) for level in levels]  # groups with KV
-        programs = sum(int(m.sum()) for m, tile in zip(m_tiles, fitting, strict=True) if tile == narrow)
+        m_tiles = -(q_with_kv // -(narrow.block_m // group))  # per group with KV, on the narrow tile
+        m_sums = np.add.reduceat(m_tiles, starts).tolist()  # per level
+        read_sums = np.add.reduceat(m_tiles * kv_len, starts).tolist()  # KV tokens its M tiles read
+        programs = sum(m for m, tile in zip(m_sums, fitting, strict=True) if tile == narrow)
         programs *= self.num_kv_heads
         slots = num_sms(self.device) * narrow.resident_per_sm()
         chosen = []
-        for level, tile, r, m, is_causal in zip(levels, fitting, rows, m_tiles, causal, strict=True):
-            extra = int(m.sum()) * self.num_kv_heads
-            reads = int(m @ level.kv_len) * self.num_kv_heads * self.head_dim * 2
+        for tile, r, m, read, is_causal in zip(fitting, rows, m_sums, read_sums, causal, strict=True):
+            extra = m * self.num_kv_heads
+            reads = read * self.num_kv_heads * self.head_dim * 2
             small = not is_causal and r <= SHARED_ON_NARROW_ROWS and reads <= SHARED_ON_NARROW_READS
             if tile != narrow and small and programs + extra <= slots:
                 tile, programs = narrow, programs + extra
