@@ -72,12 +72,30 @@ def _break_even() -> tuple:
         for n in (8, 16, 32)
     ]
     cases += [case(f"p64 1024 x {n}, 256 own", ((1, 1024),), n, (256,), (1,), page_size=64) for n in (8, 16)]
+    # Prefixes of 257-1536 tokens that stay unsplit on one side and not the other: the grid above
+    # has none, and a model fitted without them misjudged such batches by up to 1.12x (NOTES.md,
+    # attempt 26).
+    unsplit = [(16, p, n, own) for p in (256, 384, 768) for n in (20, 28, 40) for own in (128, 1024)]
+    longer = (320, 448, 640, 896, 1536)
+    unsplit += [(16, p, n, own) for p in longer for n in (10, 18, 36) for own in (96, 384)]
+    unsplit += [(16, 512, n, 256) for n in (20, 40)] + [(16, 256, n, 64) for n in (36, 48)]
+    unsplit += [(1, 384, 12, 64), (1, 384, 24, 64), (1, 768, 8, 64), (1, 448, 14, 32), (1, 640, 20, 96)]
+    unsplit += [(64, 512, 16, 256), (64, 512, 32, 256), (64, 640, 24, 192), (64, 1536, 10, 384)]
+    cases += [
+        case(f"p{page} {prefix} x {n}, {own} own", ((1, prefix),), n, (own,), (1,), page_size=page)
+        for page, prefix, n, own in unsplit
+    ]
     return (
         *cases,
         case("p16 sys 1024, 4 x 512, 4 each", ((1, 1024), (4, 512)), 4, (128,), (1,)),
         case("p16 sys 512, 2 x 512, 8 each", ((1, 512), (2, 512)), 8, (128,), (1,)),
         case("p16 4 prefixes 1024 x 8", ((4, 1024),), 8, (256,), (1,)),
         case("p16 8 prefixes 512 x 16", ((8, 512),), 16, (256,), (1,)),
+        case("p16 2 prefixes 384 x 12", ((2, 384),), 12, (128,), (1,)),
+        case("p16 2 prefixes 448 x 10", ((2, 448),), 10, (96,), (1,)),
+        case("p16 4 prefixes 256 x 8", ((4, 256),), 8, (64,), (1,)),
+        case("p16 sys 256, 4 x 256, 6 each", ((1, 256), (4, 256)), 6, (128,), (1,)),
+        case("p16 sys 320, 2 x 320, 8 each", ((1, 320), (2, 320)), 8, (192,), (1,)),
     )
 
 
