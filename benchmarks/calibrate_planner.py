@@ -9,10 +9,10 @@ Two steps, the first on a CUDA GPU:
    and ``BREAK_EVEN``, one prefix shared by 8-32 decodes, where either plan can win.
 2. The fit (any machine): for every batch of the given results (``--measure`` output, or
    ``bench_attention.py`` rows: ``cascade_graph_ms``, ``one_level_graph_ms``) both plans are rebuilt
-   exactly, their features counted (``CostModel.features``), and
-   ``time = base + launch * (launches - 1) + level * (levels - 1) + kv_token * kv_tokens +
-   pair * pairs`` fitted by non-negative least squares, weighted so that every point counts by its
-   relative error. The launch count's tile rule (``tile_rule``) is the Triton backend's at these
+   exactly, their features counted (``CostModel.features``: launches, levels, merge, distinct KV
+   tokens, pairs, the longest chain of KV steps per launch, work items), and ``CostModel.time_us``'s
+   coefficients fitted by non-negative least squares, weighted so that every point counts by its
+   relative error. The schedule the features replay (``tile_rule``) is the Triton backend's at these
    heads. Prints, per batch, the choice the fitted model makes and its measured cost against the
    better plan, and writes the model as JSON.
 
@@ -25,6 +25,7 @@ another GPU, run both there.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import importlib.util
 import json
@@ -34,12 +35,12 @@ from pathlib import Path
 import numpy as np
 import torch
 from prefix_cache.kernels._common import num_sms
-from prefix_cache.kernels.work import fixed_tile_configs
+from prefix_cache.kernels.work import fixed_tile_configs, tile_configs
 
 from prefix_cache.attention import create_backend
 from prefix_cache.attention.triton_backend import SHARED_ON_NARROW_READS, SHARED_ON_NARROW_ROWS
 from prefix_cache.cascade_planner import CascadePlanner
-from prefix_cache.cost_model import DEFAULT_PATH, CostModel
+from prefix_cache.cost_model import COEFFICIENTS, DEFAULT_PATH, CostModel, PlanFeatures
 
 HERE = Path(__file__).resolve().parent
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -104,11 +105,13 @@ CASES = {c.name: c for c in (*bench.CASES, *BREAK_EVEN) if (c.hq, c.hkv, c.d) ==
 
 
 def tile_rule(sms: int) -> dict:
-    """The Triton backend's tile choice at SHAPE on a GPU of ``sms`` SMs, in the terms of
-    ``CostModel.launches``: its decode and widest tiles' rows, and the limits under which a shared
-    level joins the decode launch (SHARED_ON_NARROW_ROWS rows; SHARED_ON_NARROW_READS KV elements,
-    K and V of every KV head, here in KV tokens; one wave of programs, here per KV head)."""
+    """The Triton backend's schedule at SHAPE on a GPU of ``sms`` SMs, in the terms of
+    ``CostModel``: its decode and widest tiles' rows, the limits under which a shared level joins
+    the decode launch (SHARED_ON_NARROW_ROWS rows; SHARED_ON_NARROW_READS KV elements, K and V of
+    every KV head, here in KV tokens; one wave of programs, here per KV head), and the KV tokens per
+    step of each tile from the narrowest to the widest (the split's unit)."""
     narrow, wide = fixed_tile_configs(HEADS // KV_HEADS, HEAD_DIM, 16)
+    rows = [narrow.block_m << i for i in range((wide.block_m // narrow.block_m).bit_length())]
     return {
         "group_size": HEADS // KV_HEADS,
         "min_rows": narrow.block_m,
@@ -116,6 +119,7 @@ def tile_rule(sms: int) -> dict:
         "join_rows": SHARED_ON_NARROW_ROWS,
         "join_tile_tokens": SHARED_ON_NARROW_READS // (KV_HEADS * HEAD_DIM * 2),
         "sms_per_kv_head": sms / KV_HEADS,
+        "kv_tile_tokens": [tile.block_n for tile in tile_configs(rows, HEADS // KV_HEADS, HEAD_DIM, 16)],
     }
 
 
@@ -164,14 +168,24 @@ def measure(out: str) -> None:
 
 
 def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Least squares with x >= 0 (active set: drop the most negative coefficient, refit)."""
+    """Least squares with x >= 0 (active set: drop the most negative coefficient, refit). The
+    columns are scaled to the same largest entry first: which coefficient is "most negative" must
+    not depend on a feature's unit (tokens, pairs of tokens, launches)."""
+    scale = np.abs(a).max(axis=0)
+    scale[scale == 0] = 1.0
+    a = a / scale
     active = list(range(a.shape[1]))
     while True:
         x = np.zeros(a.shape[1])
         x[active] = np.linalg.lstsq(a[:, active], b, rcond=None)[0]
         if (x >= 0).all():
-            return x
+            return x / scale
         active.remove(int(np.argmin(x)))
+
+
+def _terms(f: PlanFeatures) -> list[float]:
+    """What ``CostModel.time_us`` multiplies each of COEFFICIENTS by."""
+    return [1.0, f.launches - 1, f.levels - 1, f.merge, f.kv_tokens, f.pairs, f.chain_steps, f.work_items]
 
 
 def fit(paths: list[str], out: str) -> None:
@@ -187,19 +201,20 @@ def fit(paths: list[str], out: str) -> None:
     if len(sms) != 1:
         raise SystemExit(f"the results come from GPUs of different SM counts {sorted(sms)}: fit one GPU")
     rule = tile_rule(sms.pop())
-    counting = CostModel(0.0, 0.0, 0.0, 0.0, 0.0, **rule)
+    counting = CostModel(0.0, 0.0, 0.0, 0.0, 0.0, **{**rule, "kv_tile_tokens": tuple(rule["kv_tile_tokens"])})
     points, report = [], []
     for name, row in rows.items():
         case = CASES[name]
         tables, kv_lens, qo_lens, _ = bench.build_batch(case)
         feats = [counting.features(plan) for plan in both_plans(tables, kv_lens, qo_lens, case.page_size)]
         for f, key in zip(feats, ("cascade_graph_ms", "one_level_graph_ms"), strict=True):
-            points.append(([1.0, f.launches - 1, f.levels - 1, f.kv_tokens, f.pairs], row[key] * 1e3))
+            points.append((_terms(f), row[key] * 1e3))
         report.append((name, feats, row["cascade_graph_ms"], row["one_level_graph_ms"]))
     a = np.array([p for p, _ in points])
     b = np.array([t for _, t in points])
     w = 1.0 / b  # relative errors
-    model = CostModel(*map(float, nnls(a * w[:, None], b * w)), **rule, source=" ".join(paths))
+    coefficients = dict(zip(COEFFICIENTS, map(float, nnls(a * w[:, None], b * w)), strict=True))
+    model = dataclasses.replace(counting, **coefficients, source=" ".join(paths))
     worst = 1.0
     print(f"{'case':<58} {'cascade':>8} {'one':>8} {'model picks':>12} {'vs best':>8}")
     for name, (cascade_f, one_f), cascade_ms, one_ms in report:
@@ -213,7 +228,7 @@ def fit(paths: list[str], out: str) -> None:
     dates = sorted({str(row.get("date")) for row in rows.values()})
     gpus = sorted({str(row.get("gpu")) for row in rows.values()})
     data = {
-        **{k: getattr(model, k) for k in ("base_us", "launch_us", "level_us", "kv_token_us", "pair_us")},
+        **coefficients,
         **rule,
         "fitted_on": f"{', '.join(gpus)} {' / '.join(dates)}, {len(points)} plans of {len(report)} batches",
         "shape": SHAPE,

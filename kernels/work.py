@@ -19,6 +19,8 @@ import numpy as np
 import torch
 from prefix_cache.kernels._common import cdiv, interpreting, next_pow2
 
+from prefix_cache.kv_split import MAX_SPLITS, UNSPLIT, best_chunk
+
 # Columns of a work item (int32): query tokens [Q0, Q1) of the tile (planned order), the group's
 # first entry in kv_indices, KV token range [KV0, KV1) of this split, the split's index, the causal
 # diagonal (query token t may see KV positions <= t + DIAG) and the offset of the item's level in the
@@ -32,12 +34,6 @@ _TILE_Q, _LEVEL, _NEG_TILE_Q, _BLOCK_N, _NEG_BLOCK_N, _NEG_CHUNK, _FIRST_ITEM = 
 
 #: DIAG of a non-causal item: every KV position is visible to every query.
 NO_MASK = 1 << 30
-
-# Split-KV: never give a split fewer KV tokens than this (below it, the partial rows and the merge
-# cost more than the parallelism gains), nor a group more splits than MAX_SPLITS.
-MIN_SPLIT_TOKENS = 256
-MAX_SPLITS = 64
-UNSPLIT = np.iinfo(np.int32).max // 2
 
 
 @dataclass(frozen=True)
@@ -298,23 +294,9 @@ def auto_chunk(
 
 @functools.lru_cache(maxsize=256)
 def _best_chunk(kv_len_bytes: bytes, programs_bytes: bytes, block_n: int, slots: int, max_splits: int) -> int:
-    """``auto_chunk`` of a level that leaves SMs idle unsplit (int64 arrays as bytes)."""
+    """``auto_chunk`` of a level that leaves SMs idle unsplit (int64 arrays as bytes): ``best_chunk``."""
     kv_len, programs = np.frombuffer(kv_len_bytes, np.int64), np.frombuffer(programs_bytes, np.int64)
-    longest = int(kv_len.max())
-    # Every candidate at once: chunk lengths for 2..max_splits parts (non-increasing), cut where they
-    # fall below MIN_SPLIT_TOKENS; the total programs of each in one [candidates, groups] product.
-    parts = np.arange(2, max_splits + 1, dtype=np.int64)
-    per_part = -(-longest // parts)
-    chunks = -(-per_part // block_n) * block_n
-    chunks = chunks[: np.count_nonzero(chunks >= MIN_SPLIT_TOKENS)]
-    totals = np.maximum(-(-kv_len[None, :] // chunks[:, None]), 1) @ programs
-    costs = (-(-totals // slots) * chunks).tolist()
-    best_cost, best_chunk = longest, UNSPLIT  # one wave of the unsplit level
-    for chunk, cost in zip(chunks.tolist(), costs, strict=True):
-        # More splits must win clearly: each also costs partial rows to write and merge.
-        if cost < 0.9 * best_cost:
-            best_cost, best_chunk = cost, chunk
-    return best_chunk
+    return best_chunk(kv_len, programs, block_n, slots, max_splits)
 
 
 def level_work(

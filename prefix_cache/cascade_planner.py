@@ -23,7 +23,7 @@ from typing import NamedTuple
 import numpy as np
 
 from prefix_cache.cascade import CascadeLevel, CascadePlan
-from prefix_cache.cost_model import CostModel, PlanFeatures, default_cost_model
+from prefix_cache.cost_model import CostModel, LevelShape, PlanFeatures, default_cost_model
 from prefix_cache.plan_inputs import Pages, check_plan_inputs, check_read_page_ids
 
 _I32 = np.int32
@@ -123,11 +123,17 @@ class CascadePlanner:
         qo_at = qo_indptr.tolist()
 
         if nodes and self._cost_model_decides():
-            flat = PlanFeatures(1, 1, float(kv @ active), float(qo @ kv))
+            model = self.cost_model
+            # Both plans read the same pages: each page of a shared prefix once (the LCPs are the
+            # pages that sorted neighbours share).
+            distinct = float(kv @ active - page_size * int(lcp.sum()))
+            # The one-level plan's groups: requests without queries hold no KV there.
+            one = model.schedule([(qo, kv if active.all() else kv * active, True)])
+            flat = PlanFeatures(1, one[0], one[1], distinct, float(qo @ kv), one[2], one[3])
             cascade = _cascade_features(
-                self.cost_model, nodes, qo_planned, qo_at, kv_planned, shared_end, page_size
+                model, nodes, qo_planned, qo_at, kv_planned, shared_end, page_size, distinct
             )
-            if self.cost_model.time_us(flat) <= self.cost_model.time_us(cascade):
+            if model.time_us(flat) <= model.time_us(cascade):
                 nodes, shared_end = (), np.zeros(batch, dtype=np.int64)
         if not nodes:
             # One level: nothing to group, so keep the engine's order (requests without queries last,
@@ -219,29 +225,39 @@ def _cascade_features(
     kv_planned: np.ndarray,
     shared_end: np.ndarray,
     page_size: int,
+    kv_tokens: float,
 ) -> PlanFeatures:
     """``model.features`` of the plan these nodes make, without building it. ``qo_at``: the planned
-    query offsets (``batch + 1``)."""
+    query offsets (``batch + 1``); ``kv_tokens``: the batch's distinct KV tokens."""
     num_shared = max((n.level for n in nodes), default=-1) + 1
-    queries: list[list[int]] = [[] for _ in range(num_shared)]  # per shared level, per group
+    # Per shared level, its groups as _shared_level makes them: a node's, and one without KV per run
+    # of requests between nodes (its M tiles count in the backend's split choice).
+    queries: list[list[int]] = [[] for _ in range(num_shared)]
     tokens: list[list[int]] = [[] for _ in range(num_shared)]
+    position = [0] * num_shared
     # The shared levels' few groups are summed as Python ints (a numpy call costs more than a
     # dozen of those).
-    shared_tokens = shared_pairs = 0
+    shared_pairs = 0
     for node in nodes:
+        level = node.level
+        if qo_at[node.lo] > qo_at[position[level]]:
+            queries[level].append(qo_at[node.lo] - qo_at[position[level]])
+            tokens[level].append(0)
         q, t = qo_at[node.hi] - qo_at[node.lo], (node.end - node.start) * page_size
-        queries[node.level].append(q)
-        tokens[node.level].append(t)
-        shared_tokens, shared_pairs = shared_tokens + t, shared_pairs + q * t
+        queries[level].append(q)
+        tokens[level].append(t)
+        position[level] = node.hi
+        shared_pairs += q * t
+    for level, at in enumerate(position):
+        if qo_at[-1] > qo_at[at]:
+            queries[level].append(qo_at[-1] - qo_at[at])
+            tokens[level].append(0)
     own = (kv_planned - shared_end * page_size) * (qo_planned > 0)
-    kv_tokens = float(shared_tokens + own.sum())
     pairs = float(shared_pairs + own @ qo_planned)
-    shapes = [
-        (np.array(q, dtype=np.int64), np.array(t, dtype=np.int64), False)
-        for q, t in zip(queries, tokens, strict=True)
-    ]
+    shapes: list[LevelShape] = [(q, t, False) for q, t in zip(queries, tokens, strict=True)]
     shapes.append((qo_planned, own, True))
-    return PlanFeatures(num_shared + 1, model.launches(shapes), kv_tokens, pairs)
+    launches, merge, chain, items = model.schedule(shapes)
+    return PlanFeatures(num_shared + 1, launches, merge, kv_tokens, pairs, chain, items)
 
 
 def _whole_rows(block_tables: object, pages: Pages) -> np.ndarray | None:

@@ -1,6 +1,8 @@
 """The packaged cost model is what ``benchmarks/calibrate_planner.py`` fits from the committed
 calibration run: its coefficients regenerate from the data, and its tile rule is the Triton
-backend's current one (a change to the backend's rule without a recalibration fails here)."""
+backend's current one (a change to the backend's rule without a recalibration fails here). The
+schedule the model replays (launches, merge, work items, KV steps; ``prefix_cache.kv_split``) is the
+backend's, on random batches."""
 
 from __future__ import annotations
 
@@ -10,9 +12,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("triton")
+import torch
+from prefix_cache.kernels import work
+
+from prefix_cache import kv_split
+from prefix_cache.attention.triton_backend import TritonBackend, checked_levels
+from prefix_cache.cascade_planner import CascadePlanner
+from prefix_cache.cost_model import COEFFICIENTS, TILE_RULE, CostModel
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGED = ROOT / "prefix_cache" / "data" / "cost_model_h200.json"
@@ -29,8 +41,100 @@ def test_the_packaged_cost_model_refits_from_the_committed_calibration(tmp_path:
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
     fitted, packaged = json.loads(out.read_text()), json.loads(PACKAGED.read_text())
-    rule = ("group_size", "min_rows", "max_rows", "join_rows", "join_tile_tokens", "sms_per_kv_head")
-    for key in (*rule, "fitted_on", "shape"):
+    for key in (*TILE_RULE, "fitted_on", "shape"):
         assert fitted[key] == packaged[key], key
-    for key in ("base_us", "launch_us", "level_us", "kv_token_us", "pair_us", "worst_chosen_over_best"):
+    for key in (*COEFFICIENTS, "worst_chosen_over_best"):
         assert fitted[key] == pytest.approx(packaged[key], rel=1e-9), key
+
+
+def _backend_schedule(plan) -> tuple[int, int, float, int]:
+    """(launches, merge, chain_steps, work_items) of the Triton backend's exact schedule of a plan at
+    the packaged model's shape (32/8 heads of 128, an H200's SMs on CPU tensors)."""
+    backend = TritonBackend(device="cpu")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(work, "interpreting", lambda: False)
+        backend.plan(plan, num_qo_heads=32, num_kv_heads=8, head_dim=128, q_dtype=torch.bfloat16)
+        levels = checked_levels(plan)
+        tiles, works, _ = backend._schedule(plan, levels, [lv.causal for lv in plan.levels], None, None)
+    chain, items = 0.0, 0
+    for tile, items_of in zip(tiles, works, strict=True):
+        if items_of.shape[0] == 0:
+            continue
+        steps = -((items_of[:, work.KV0] - items_of[:, work.KV1]) // tile.block_n)  # per item
+        waves = -(-items_of.shape[0] * 8 // (132 * tile.resident_per_sm()))
+        chain += float(steps.max() + (waves - 1) * steps.mean())
+        items += items_of.shape[0]
+    return (
+        sum(int(launch.num_work.item()) > 0 for launch in backend._launches),
+        int(backend._merges > 0),
+        chain,
+        items,
+    )
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    page_size=st.sampled_from([1, 16, 64]),
+    groups=st.lists(st.tuples(st.integers(1, 200), st.integers(1, 40)), min_size=1, max_size=3),
+    system=st.integers(0, 64),
+    own=st.integers(1, 3000),
+    queries=st.sampled_from([1, 1, 1, 2, 9]),
+    idle=st.integers(0, 20),
+)
+@example(page_size=16, groups=[(40, 10)], system=0, own=96, queries=1, idle=0)  # "p16 640 x 10, 96 own"
+@example(page_size=16, groups=[(16, 20)], system=0, own=16, queries=1, idle=0)  # 256 tokens: one split
+@example(page_size=1, groups=[(448, 14)], system=0, own=32, queries=1, idle=0)
+@example(page_size=16, groups=[(4, 17)], system=0, own=4096, queries=1, idle=50)  # splits, many groups
+@example(page_size=16, groups=[(64, 40)], system=0, own=2048, queries=1, idle=0)  # 40 over 2 waves
+def test_the_cost_model_replays_the_backends_schedule(
+    page_size: int, groups: list[tuple[int, int]], system: int, own: int, queries: int, idle: int
+) -> None:
+    """``CostModel.features`` counts the launches, the merge, the work items and the chain of KV
+    steps of the backend's exact schedule, for both plans the planner compares: decode groups over
+    prefixes of up to 200 pages under a system prompt (shared levels of few groups, split or not),
+    ``own`` tokens of each request's own (unique levels of many groups past 16 requests, split
+    below a wave of programs), ``idle`` requests without queries (groups that run nothing)."""
+    pages = iter(range(1 << 22))
+    root = [next(pages) for _ in range(system)]
+    tables, kv_lens, qo_lens = [], [], []
+    for prefix, requests in groups:
+        shared = root + [next(pages) for _ in range(prefix)]
+        for _ in range(requests):
+            tokens = len(shared) * page_size + own + queries
+            tables.append(shared + [next(pages) for _ in range(-(-(own + queries) // page_size))])
+            kv_lens.append(tokens)
+            qo_lens.append(queries)
+    for _ in range(idle):
+        tables.append([next(pages)])
+        kv_lens.append(1)
+        qo_lens.append(0)
+    model = CostModel.load()
+    for planner in (CascadePlanner(cost_model=None), CascadePlanner(max_levels=1, cost_model=None)):
+        plan = planner.plan([np.array(t) for t in tables], kv_lens, qo_lens, page_size)
+        f = model.features(plan)
+        launches, merge, chain, items = _backend_schedule(plan)
+        assert (f.launches, f.merge, f.work_items) == (launches, merge, items)
+        assert f.chain_steps == pytest.approx(chain, rel=1e-12)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    kv_len=st.lists(st.integers(0, 40_000), min_size=1, max_size=20),
+    programs=st.data(),
+    block_n=st.sampled_from([32, 64, 128]),
+    resident=st.sampled_from([1, 2, 4]),
+)
+def test_the_split_rule_is_the_backends(kv_len: list[int], programs, block_n: int, resident: int) -> None:
+    """``kv_split.best_chunk`` with programs and slots per KV head (as the cost model asks, slots
+    fractional) chooses the chunk of the backend's ``auto_chunk`` over all 8 KV heads of 132 SMs."""
+    m = programs.draw(st.lists(st.integers(0, 8), min_size=len(kv_len), max_size=len(kv_len)))
+    kv, m = np.array(kv_len, dtype=np.int64), np.array(m, dtype=np.int64)
+    tile = work.TileConfig({1: 128, 2: 64, 4: 16}[resident], block_n, 4, 2)
+    backend = work.auto_chunk(kv, m * 8, tile, 132)
+    slots = 132 / 8 * resident
+    ours = (
+        kv_split.UNSPLIT
+        if m.sum() >= slots
+        else kv_split.best_chunk(kv, m, block_n, slots, kv_split.MAX_SPLITS)
+    )
+    assert ours == backend

@@ -7,14 +7,12 @@ from prefix_cache.kernels.work import (
     DIAG,
     KV0,
     KV1,
-    MIN_SPLIT_TOKENS,
     NO_MASK,
     OROW,
     PAGE0,
     Q0,
     Q1,
     SPLIT,
-    UNSPLIT,
     WORK_COLS,
     TileConfig,
     auto_chunk,
@@ -25,6 +23,8 @@ from prefix_cache.kernels.work import (
     longest_first,
     tile_config,
 )
+
+from prefix_cache.kv_split import MIN_SPLIT_TOKENS, UNSPLIT
 
 
 def _cdiv(a: int, b: int) -> int:

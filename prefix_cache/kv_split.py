@@ -1,0 +1,45 @@
+"""How the Triton backend splits a level's KV across programs (numpy only, no torch).
+
+Split-KV: when a level's programs (M tiles x KV heads) leave SMs idle, each group's KV is cut into
+equal chunks, one program per chunk, and the merge combines the partial states. The choice lives
+here, apart from the kernels, because the planner's cost model (``prefix_cache.cost_model``, which
+must import without torch) replays it to count a plan's programs and KV steps.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# Never give a split fewer KV tokens than this (below it, the partial rows and the merge cost more
+# than the parallelism gains), nor a group more splits than MAX_SPLITS.
+MIN_SPLIT_TOKENS = 256
+MAX_SPLITS = 64
+#: The chunk of a level that is not split (longer than any level's KV).
+UNSPLIT = np.iinfo(np.int32).max // 2
+
+
+def best_chunk(kv_len: np.ndarray, programs: np.ndarray, block_n: int, slots: float, max_splits: int) -> int:
+    """KV tokens per split of a level whose group g runs ``programs[g]`` programs over ``kv_len[g]``
+    tokens (int64 arrays), on a device of ``slots`` resident programs that the unsplit level leaves
+    partly idle; ``block_n``: KV tokens per step of the level's tile. ``UNSPLIT`` when no split wins.
+
+    Model: a wave of resident programs takes as long as its longest chunk. Among chunk lengths that
+    cut the longest group into 2..max_splits equal parts (whole KV steps, at least
+    MIN_SPLIT_TOKENS), pick the fewest waves x chunk, moving to more splits only for a clear gain.
+    ``programs`` and ``slots`` may both be counted per KV head (``slots`` then fractional): only
+    their ratio matters."""
+    longest = int(kv_len.max())
+    # Every candidate at once: chunk lengths for 2..max_splits parts (non-increasing), cut where they
+    # fall below MIN_SPLIT_TOKENS; the total programs of each in one [candidates, groups] product.
+    parts = np.arange(2, max_splits + 1, dtype=np.int64)
+    per_part = -(-longest // parts)
+    chunks = -(-per_part // block_n) * block_n
+    chunks = chunks[: np.count_nonzero(chunks >= MIN_SPLIT_TOKENS)]
+    totals = np.maximum(-(-kv_len[None, :] // chunks[:, None]), 1) @ programs
+    costs = (-(-totals // slots) * chunks).tolist()
+    best_cost, best = longest, UNSPLIT  # one wave of the unsplit level
+    for chunk, cost in zip(chunks.tolist(), costs, strict=True):
+        # More splits must win clearly: each also costs partial rows to write and merge.
+        if cost < 0.9 * best_cost:
+            best_cost, best = cost, chunk
+    return int(best)
