@@ -118,6 +118,25 @@ class CostModel:
             + self.item_us * features.work_items
         )
 
+    def one_level_floor_us(self, kv_tokens: float, pairs: float, kv_read: int, requests: int) -> float:
+        """A lower bound of ``time_us`` of a batch's one-level plan, from counts the planner has
+        without replaying the schedule: ``kv_tokens`` and ``pairs`` (its features), ``kv_read`` (the
+        KV tokens of its requests with queries) and ``requests`` (how many those are). Each such
+        request is one work item or more; its launch's items take ``kv_read`` / (KV tokens per step)
+        steps or more in all, and chain_steps >= steps / (resident programs), since the longest item
+        takes at least the mean and the waves are at least items / slots. ``-inf`` where a
+        coefficient that the bound leaves out or scales is negative."""
+        if min(self.launch_us, self.merge_us, self.step_us, self.item_us) < 0:
+            return float("-inf")
+        steps = kv_read / max(self.kv_tile_tokens)
+        return (
+            self.base_us
+            + self.kv_token_us * kv_tokens
+            + self.pair_us * pairs
+            + self.step_us * steps / self._slots(self.min_rows)  # the tile with the most slots
+            + self.item_us * requests
+        )
+
     def _tile_rows(self, rows: int) -> int:
         # tile_config's rows (next_pow2, clamped): kernels/ needs torch, the cost model only numpy.
         return max(self.min_rows, min(1 << max(rows - 1, 0).bit_length(), self.max_rows))

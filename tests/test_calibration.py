@@ -72,6 +72,29 @@ def _backend_schedule(plan) -> tuple[int, int, float, int]:
     )
 
 
+def _decode_batch(
+    page_size: int, groups: list[tuple[int, int]], system: int, own: int, queries: int, idle: int
+) -> tuple[list[list[int]], list[int], list[int]]:
+    """(tables, kv_lens, qo_lens): ``groups`` of (prefix pages, requests) under ``system`` shared
+    pages, each request with ``own`` tokens of its own and ``queries`` new ones, and ``idle``
+    requests without queries."""
+    pages = iter(range(1 << 22))
+    root = [next(pages) for _ in range(system)]
+    tables, kv_lens, qo_lens = [], [], []
+    for prefix, requests in groups:
+        shared = root + [next(pages) for _ in range(prefix)]
+        for _ in range(requests):
+            tokens = len(shared) * page_size + own + queries
+            tables.append(shared + [next(pages) for _ in range(-(-(own + queries) // page_size))])
+            kv_lens.append(tokens)
+            qo_lens.append(queries)
+    for _ in range(idle):
+        tables.append([next(pages)])
+        kv_lens.append(1)
+        qo_lens.append(0)
+    return tables, kv_lens, qo_lens
+
+
 @settings(max_examples=80, deadline=None)
 @given(
     page_size=st.sampled_from([1, 16, 64]),
@@ -94,20 +117,7 @@ def test_the_cost_model_replays_the_backends_schedule(
     prefixes of up to 200 pages under a system prompt (shared levels of few groups, split or not),
     ``own`` tokens of each request's own (unique levels of many groups past 16 requests, split
     below a wave of programs), ``idle`` requests without queries (groups that run nothing)."""
-    pages = iter(range(1 << 22))
-    root = [next(pages) for _ in range(system)]
-    tables, kv_lens, qo_lens = [], [], []
-    for prefix, requests in groups:
-        shared = root + [next(pages) for _ in range(prefix)]
-        for _ in range(requests):
-            tokens = len(shared) * page_size + own + queries
-            tables.append(shared + [next(pages) for _ in range(-(-(own + queries) // page_size))])
-            kv_lens.append(tokens)
-            qo_lens.append(queries)
-    for _ in range(idle):
-        tables.append([next(pages)])
-        kv_lens.append(1)
-        qo_lens.append(0)
+    tables, kv_lens, qo_lens = _decode_batch(page_size, groups, system, own, queries, idle)
     model = CostModel.load()
     for planner in (CascadePlanner(cost_model=None), CascadePlanner(max_levels=1, cost_model=None)):
         plan = planner.plan([np.array(t) for t in tables], kv_lens, qo_lens, page_size)
@@ -115,6 +125,42 @@ def test_the_cost_model_replays_the_backends_schedule(
         launches, merge, chain, items = _backend_schedule(plan)
         assert (f.launches, f.merge, f.work_items) == (launches, merge, items)
         assert f.chain_steps == pytest.approx(chain, rel=1e-12)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    page_size=st.sampled_from([1, 16, 64]),
+    groups=st.lists(st.tuples(st.integers(1, 200), st.integers(1, 40)), min_size=1, max_size=3),
+    system=st.integers(0, 64),
+    own=st.integers(1, 3000),
+    queries=st.sampled_from([1, 1, 1, 2, 9]),
+    idle=st.integers(0, 20),
+)
+@example(page_size=16, groups=[(40, 10)], system=0, own=96, queries=1, idle=0)  # "p16 640 x 10, 96 own"
+@example(page_size=16, groups=[(16, 20)], system=0, own=16, queries=1, idle=0)  # 256 tokens: one split
+@example(page_size=1, groups=[(448, 14)], system=0, own=32, queries=1, idle=0)
+@example(page_size=16, groups=[(4, 17)], system=0, own=4096, queries=1, idle=50)  # splits, many groups
+@example(page_size=16, groups=[(64, 40)], system=0, own=2048, queries=1, idle=0)  # 40 over 2 waves
+def test_the_one_level_floor_bounds_the_one_level_time(
+    page_size: int, groups: list[tuple[int, int]], system: int, own: int, queries: int, idle: int
+) -> None:
+    """``CostModel.one_level_floor_us`` never exceeds the one-level plan's ``time_us`` (the planner
+    skips that plan's schedule when the floor is above the cascade's time), and the planner's choice
+    is the comparison of the two plans' full estimates."""
+    tables, kv_lens, qo_lens = _decode_batch(page_size, groups, system, own, queries, idle)
+    model = CostModel.load()
+    rows = [np.array(t) for t in tables]
+    cascade, one = (
+        planner.plan(rows, kv_lens, qo_lens, page_size)
+        for planner in (CascadePlanner(cost_model=None), CascadePlanner(max_levels=1, cost_model=None))
+    )
+    one_f = model.features(one)
+    kv, qo = np.array(kv_lens), np.array(qo_lens)
+    floor = model.one_level_floor_us(one_f.kv_tokens, one_f.pairs, int(kv @ (qo > 0)), int((qo > 0).sum()))
+    assert floor <= model.time_us(one_f) * (1 + 1e-12)
+    chosen = CascadePlanner(cost_model=model).plan(rows, kv_lens, qo_lens, page_size)
+    one_wins = len(cascade.levels) == 1 or model.time_us(one_f) <= model.time_us(model.features(cascade))
+    assert (len(chosen.levels) == 1) == one_wins
 
 
 @settings(max_examples=200, deadline=None)
