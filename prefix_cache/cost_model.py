@@ -40,6 +40,7 @@ import itertools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -79,7 +80,7 @@ class PlanFeatures:
 
 #: A level as the schedule sees it: per group, its query tokens and its KV tokens (int64 arrays; a
 #: level of few groups may come as lists of ints), and whether the level is causal.
-LevelShape = tuple[np.ndarray, np.ndarray, bool]
+LevelShape = tuple[np.ndarray | Sequence[int], np.ndarray | Sequence[int], bool]
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,20 @@ class CostModel:
     kv_tile_tokens: tuple[int, ...] = (64, 64, 64, 128)
     source: str = ""
 
+    def __post_init__(self) -> None:
+        tiles = (self.max_rows // self.min_rows).bit_length()  # min_rows, 2 x min_rows, ..., max_rows
+        if len(self.kv_tile_tokens) != tiles:
+            raise ValueError(
+                f"kv_tile_tokens needs one entry per tile of {self.min_rows} to {self.max_rows} rows "
+                f"({tiles}), got {len(self.kv_tile_tokens)}"
+            )
+        # sms_per_kv_head is SMs / KV heads: as that fraction, slots and programs compare in whole
+        # numbers (programs per KV head x denominator against numerator x resident programs per SM),
+        # as exactly as the backend counts them over all KV heads.
+        ratio = Fraction(self.sms_per_kv_head).limit_denominator(256)
+        object.__setattr__(self, "_sm_num", ratio.numerator)
+        object.__setattr__(self, "_sm_den", ratio.denominator)
+
     def time_us(self, features: PlanFeatures) -> float:
         """Estimated GPU time of a plan with these features, per layer."""
         return (
@@ -126,14 +141,14 @@ class CostModel:
         steps or more in all, and chain_steps >= steps / (resident programs), since the longest item
         takes at least the mean and the waves are at least items / slots. ``-inf`` where a
         coefficient that the bound leaves out or scales is negative."""
-        if min(self.launch_us, self.merge_us, self.step_us, self.item_us) < 0:
+        if min(self.merge_us, self.step_us, self.item_us) < 0:
             return float("-inf")
         steps = kv_read / max(self.kv_tile_tokens)
         return (
             self.base_us
             + self.kv_token_us * kv_tokens
             + self.pair_us * pairs
-            + self.step_us * steps / self._slots(self.min_rows)  # the tile with the most slots
+            + self.step_us * steps * self._sm_den / self._slots(self.min_rows)  # the most slots
             + self.item_us * requests
         )
 
@@ -141,16 +156,13 @@ class CostModel:
         # tile_config's rows (next_pow2, clamped): kernels/ needs torch, the cost model only numpy.
         return max(self.min_rows, min(1 << max(rows - 1, 0).bit_length(), self.max_rows))
 
-    def _slots(self, tile: int) -> float:
-        """Resident programs per KV head of a tile of ``tile`` rows (``TileConfig.resident_per_sm``)."""
-        return self.sms_per_kv_head * (1 if tile >= 128 else 2 if tile >= 64 else 4)
+    def _slots(self, tile: int) -> int:
+        """Resident programs of a tile of ``tile`` rows (``TileConfig.resident_per_sm``) per KV head,
+        times ``_sm_den``: compare with programs per KV head times ``_sm_den``."""
+        return self._sm_num * (1 if tile >= 128 else 2 if tile >= 64 else 4)
 
     def _block_n(self, tile: int) -> int:
         return self.kv_tile_tokens[(tile // self.min_rows).bit_length() - 1]
-
-    def launches(self, levels: Sequence[LevelShape]) -> int:
-        """The attention launches of a plan with these levels (see the module docstring)."""
-        return self.schedule(levels)[0]
 
     def schedule(self, levels: Sequence[LevelShape]) -> tuple[int, int, float, int]:
         """(launches, merge, chain_steps, work_items) of a plan with these levels (see the module
@@ -170,23 +182,26 @@ class CostModel:
             if on[i] == narrow or causal or rows[i] > self.join_rows:
                 continue
             t, reads = level.tiles(tile_q), level.reads(tile_q)
-            if reads <= self.join_tile_tokens and programs + t <= slots:
+            if reads <= self.join_tile_tokens and (programs + t) * self._sm_den <= slots:
                 on[i], programs = narrow, programs + t
-        chain, items, other = 0.0, 0, False
+        chain, items, other, launches = 0.0, 0, False, 0
         for tile in sorted(set(on)):
             bn, slots = self._block_n(tile), self._slots(tile)
             counts = [
-                level.counts(tile // g, bn, slots) for level, t in zip(few, on, strict=True) if t == tile
+                level.counts(tile // g, bn, slots, self._sm_den)
+                for level, t in zip(few, on, strict=True)
+                if t == tile
             ]
             launch_items = sum(c[0] for c in counts)
             if launch_items:
                 # Whole waves of resident programs: the first runs the longest item, each later one
                 # a mean item (the items run longest first).
-                waves = -(-launch_items // slots)
+                waves = -(-launch_items * self._sm_den // slots)
                 chain += max(c[2] for c in counts) + (waves - 1) * sum(c[1] for c in counts) / launch_items
                 items += launch_items
+                launches += 1  # a tile without items is not launched
             other = other or any(c[3] for c in counts)
-        return len(set(on)), int(len(levels) > 1 or other), float(chain), int(items)
+        return launches, int(len(levels) > 1 or other), float(chain), int(items)
 
     def features(self, plan: CascadePlan) -> PlanFeatures:
         """The features of a plan made by the planner (every group's KV tokens and query tokens)."""
@@ -273,22 +288,23 @@ class _Few:
         """KV tokens its M tiles read."""
         return sum(-(-a // tile_q) * b for a, b in zip(self.q, self.kv, strict=True))
 
-    def counts(self, tile_q: int, block_n: int, slots: float) -> tuple[int, int, int, bool]:
+    def counts(self, tile_q: int, block_n: int, slots: int, unit: int) -> tuple[int, int, int, bool]:
         """(items, KV steps of all items, KV steps of the longest, whether a group with queries has
-        other than one split) on a tile of ``tile_q`` query tokens."""
-        return _few_counts(self.q, self.kv, tile_q, block_n, slots)
+        other than one split) on a tile of ``tile_q`` query tokens, where a wave holds ``slots`` /
+        ``unit`` programs per KV head."""
+        return _few_counts(self.q, self.kv, tile_q, block_n, slots, unit)
 
 
 @functools.lru_cache(maxsize=256)
 def _few_counts(
-    q: tuple[int, ...], kv: tuple[int, ...], tile_q: int, block_n: int, slots: float
+    q: tuple[int, ...], kv: tuple[int, ...], tile_q: int, block_n: int, slots: int, unit: int
 ) -> tuple[int, int, int, bool]:
     """``_Few.counts``, remembered: a plan's shared levels keep their lengths from step to step."""
     m = [-(-a // tile_q) for a in q]  # every group's M tiles count for the split (auto_chunk)
     chunk = UNSPLIT
-    if q and sum(m) < slots:
+    if q and sum(m) * unit < slots:
         chunk = best_chunk(
-            np.array(kv, dtype=np.int64), np.array(m, dtype=np.int64), block_n, slots, MAX_SPLITS
+            np.array(kv, dtype=np.int64), np.array(m, dtype=np.int64) * unit, block_n, slots, MAX_SPLITS
         )
     items = steps = longest = 0
     other = False
@@ -327,14 +343,15 @@ class _Many:
         m = self._m(tile_q)
         return int(self.kv_read.sum() if m is None else m @ self.kv)
 
-    def counts(self, tile_q: int, block_n: int, slots: float) -> tuple[int, int, int, bool]:
+    def counts(self, tile_q: int, block_n: int, slots: int, unit: int) -> tuple[int, int, int, bool]:
         """``_Few.counts``."""
         m = self._m(tile_q)
         items = self.tiles(tile_q)
-        if items < slots and int((-(self.q // -tile_q)).sum()) < slots:  # groups without KV count too
+        # Groups without KV count in the split choice too.
+        if items * unit < slots and int((-(self.q // -tile_q)).sum()) * unit < slots:
             active = np.flatnonzero(self.q | self.kv)  # groups with neither change nothing
             return _few_counts(
-                tuple(self.q[active].tolist()), tuple(self.kv[active].tolist()), tile_q, block_n, slots
+                tuple(self.q[active].tolist()), tuple(self.kv[active].tolist()), tile_q, block_n, slots, unit
             )
         steps = (self.kv_read + (block_n - 1)) // block_n
         # Groups with queries but no KV have no split, and their tokens no state: the merge writes them.

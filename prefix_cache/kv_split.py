@@ -18,7 +18,7 @@ MAX_SPLITS = 64
 UNSPLIT = np.iinfo(np.int32).max // 2
 
 
-def best_chunk(kv_len: np.ndarray, programs: np.ndarray, block_n: int, slots: float, max_splits: int) -> int:
+def best_chunk(kv_len: np.ndarray, programs: np.ndarray, block_n: int, slots: int, max_splits: int) -> int:
     """KV tokens per split of a level whose group g runs ``programs[g]`` programs over ``kv_len[g]``
     tokens (int64 arrays), on a device of ``slots`` resident programs that the unsplit level leaves
     partly idle; ``block_n``: KV tokens per step of the level's tile. ``UNSPLIT`` when no split wins.
@@ -26,8 +26,9 @@ def best_chunk(kv_len: np.ndarray, programs: np.ndarray, block_n: int, slots: fl
     Model: a wave of resident programs takes as long as its longest chunk. Among chunk lengths that
     cut the longest group into 2..max_splits equal parts (whole KV steps, at least
     MIN_SPLIT_TOKENS), pick the fewest waves x chunk, moving to more splits only for a clear gain.
-    ``programs`` and ``slots`` may both be counted per KV head (``slots`` then fractional): only
-    their ratio matters."""
+    ``programs`` and ``slots`` are whole numbers in any one unit (the backend counts programs over
+    all KV heads; the cost model per KV head, scaled so that its slots are whole): only their ratio
+    matters, and whole numbers keep each wave count exact."""
     longest = int(kv_len.max())
     # Every candidate at once: chunk lengths for 2..max_splits parts (non-increasing), cut where they
     # fall below MIN_SPLIT_TOKENS; the total programs of each in one [candidates, groups] product.

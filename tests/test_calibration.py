@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import example, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 pytest.importorskip("triton")
@@ -73,21 +73,22 @@ def _backend_schedule(plan) -> tuple[int, int, float, int]:
 
 
 def _decode_batch(
-    page_size: int, groups: list[tuple[int, int]], system: int, own: int, queries: int, idle: int
+    page_size: int, groups: list[tuple[int, int]], system: int, own: int, queries: list[int], idle: int
 ) -> tuple[list[list[int]], list[int], list[int]]:
     """(tables, kv_lens, qo_lens): ``groups`` of (prefix pages, requests) under ``system`` shared
-    pages, each request with ``own`` tokens of its own and ``queries`` new ones, and ``idle``
-    requests without queries."""
+    pages, each request with ``own`` tokens of its own and then new ones, as many as the next entry
+    of ``queries`` (cycled; 0: a request that reads the prefix but has no queries this step), and
+    ``idle`` requests without queries."""
     pages = iter(range(1 << 22))
     root = [next(pages) for _ in range(system)]
     tables, kv_lens, qo_lens = [], [], []
     for prefix, requests in groups:
         shared = root + [next(pages) for _ in range(prefix)]
         for _ in range(requests):
-            tokens = len(shared) * page_size + own + queries
-            tables.append(shared + [next(pages) for _ in range(-(-(own + queries) // page_size))])
-            kv_lens.append(tokens)
-            qo_lens.append(queries)
+            q = queries[len(qo_lens) % len(queries)]
+            tables.append(shared + [next(pages) for _ in range(-(-(own + q) // page_size))])
+            kv_lens.append(len(shared) * page_size + own + q)
+            qo_lens.append(q)
     for _ in range(idle):
         tables.append([next(pages)])
         kv_lens.append(1)
@@ -101,22 +102,26 @@ def _decode_batch(
     groups=st.lists(st.tuples(st.integers(1, 200), st.integers(1, 40)), min_size=1, max_size=3),
     system=st.integers(0, 64),
     own=st.integers(1, 3000),
-    queries=st.sampled_from([1, 1, 1, 2, 9]),
+    queries=st.lists(st.sampled_from([0, 1, 1, 1, 2, 9, 33, 200]), min_size=1, max_size=4).filter(any),
     idle=st.integers(0, 20),
 )
-@example(page_size=16, groups=[(40, 10)], system=0, own=96, queries=1, idle=0)  # "p16 640 x 10, 96 own"
-@example(page_size=16, groups=[(16, 20)], system=0, own=16, queries=1, idle=0)  # 256 tokens: one split
-@example(page_size=1, groups=[(448, 14)], system=0, own=32, queries=1, idle=0)
-@example(page_size=16, groups=[(4, 17)], system=0, own=4096, queries=1, idle=50)  # splits, many groups
-@example(page_size=16, groups=[(64, 40)], system=0, own=2048, queries=1, idle=0)  # 40 over 2 waves
+@example(page_size=16, groups=[(40, 10)], system=0, own=96, queries=[1], idle=0)  # "p16 640 x 10, 96 own"
+@example(page_size=16, groups=[(16, 20)], system=0, own=16, queries=[1], idle=0)  # 256 tokens: one split
+@example(page_size=1, groups=[(448, 14)], system=0, own=32, queries=[1], idle=0)
+@example(page_size=16, groups=[(4, 17)], system=0, own=4096, queries=[1], idle=50)  # splits, many groups
+@example(page_size=16, groups=[(64, 40)], system=0, own=2048, queries=[1], idle=0)  # 40 over 2 waves
+@example(page_size=16, groups=[(64, 20)], system=8, own=512, queries=[1, 200], idle=0)  # prefill chunks
+@example(page_size=16, groups=[(32, 24)], system=0, own=64, queries=[0, 33], idle=3)  # readers, no queries
 def test_the_cost_model_replays_the_backends_schedule(
-    page_size: int, groups: list[tuple[int, int]], system: int, own: int, queries: int, idle: int
+    page_size: int, groups: list[tuple[int, int]], system: int, own: int, queries: list[int], idle: int
 ) -> None:
     """``CostModel.features`` counts the launches, the merge, the work items and the chain of KV
     steps of the backend's exact schedule, for both plans the planner compares: decode groups over
     prefixes of up to 200 pages under a system prompt (shared levels of few groups, split or not),
     ``own`` tokens of each request's own (unique levels of many groups past 16 requests, split
-    below a wave of programs), ``idle`` requests without queries (groups that run nothing)."""
+    below a wave of programs), queries of 0-200 tokens per request (decodes, speculative steps,
+    prefill chunks whose groups span several M tiles; requests that read a shared prefix with no
+    queries this step), ``idle`` requests without queries (groups that run nothing)."""
     tables, kv_lens, qo_lens = _decode_batch(page_size, groups, system, own, queries, idle)
     model = CostModel.load()
     for planner in (CascadePlanner(cost_model=None), CascadePlanner(max_levels=1, cost_model=None)):
@@ -133,21 +138,22 @@ def test_the_cost_model_replays_the_backends_schedule(
     groups=st.lists(st.tuples(st.integers(1, 200), st.integers(1, 40)), min_size=1, max_size=3),
     system=st.integers(0, 64),
     own=st.integers(1, 3000),
-    queries=st.sampled_from([1, 1, 1, 2, 9]),
+    queries=st.lists(st.sampled_from([0, 1, 1, 1, 2, 9, 33, 200]), min_size=1, max_size=4).filter(any),
     idle=st.integers(0, 20),
 )
-@example(page_size=16, groups=[(40, 10)], system=0, own=96, queries=1, idle=0)  # "p16 640 x 10, 96 own"
-@example(page_size=16, groups=[(16, 20)], system=0, own=16, queries=1, idle=0)  # 256 tokens: one split
-@example(page_size=1, groups=[(448, 14)], system=0, own=32, queries=1, idle=0)
-@example(page_size=16, groups=[(4, 17)], system=0, own=4096, queries=1, idle=50)  # splits, many groups
-@example(page_size=16, groups=[(64, 40)], system=0, own=2048, queries=1, idle=0)  # 40 over 2 waves
+@example(page_size=16, groups=[(40, 10)], system=0, own=96, queries=[1], idle=0)  # "p16 640 x 10, 96 own"
+@example(page_size=16, groups=[(16, 20)], system=0, own=16, queries=[1], idle=0)  # 256 tokens: one split
+@example(page_size=1, groups=[(448, 14)], system=0, own=32, queries=[1], idle=0)
+@example(page_size=16, groups=[(4, 17)], system=0, own=4096, queries=[1], idle=50)  # splits, many groups
+@example(page_size=16, groups=[(64, 40)], system=0, own=2048, queries=[1], idle=0)  # 40 over 2 waves
 def test_the_one_level_floor_bounds_the_one_level_time(
-    page_size: int, groups: list[tuple[int, int]], system: int, own: int, queries: int, idle: int
+    page_size: int, groups: list[tuple[int, int]], system: int, own: int, queries: list[int], idle: int
 ) -> None:
     """``CostModel.one_level_floor_us`` never exceeds the one-level plan's ``time_us`` (the planner
     skips that plan's schedule when the floor is above the cascade's time), and the planner's choice
     is the comparison of the two plans' full estimates."""
     tables, kv_lens, qo_lens = _decode_batch(page_size, groups, system, own, queries, idle)
+    assume(any(qo_lens))  # the planner asks the model only about batches with queries
     model = CostModel.load()
     rows = [np.array(t) for t in tables]
     cascade, one = (
@@ -163,24 +169,36 @@ def test_the_one_level_floor_bounds_the_one_level_time(
     assert (len(chosen.levels) == 1) == one_wins
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(
     kv_len=st.lists(st.integers(0, 40_000), min_size=1, max_size=20),
     programs=st.data(),
     block_n=st.sampled_from([32, 64, 128]),
     resident=st.sampled_from([1, 2, 4]),
+    sms=st.sampled_from([78, 128, 132, 170]),
+    kv_heads=st.sampled_from([1, 3, 5, 8, 10, 12, 32, 40]),
 )
-def test_the_split_rule_is_the_backends(kv_len: list[int], programs, block_n: int, resident: int) -> None:
-    """``kv_split.best_chunk`` with programs and slots per KV head (as the cost model asks, slots
-    fractional) chooses the chunk of the backend's ``auto_chunk`` over all 8 KV heads of 132 SMs."""
+def test_the_split_rule_is_the_backends(
+    kv_len: list[int], programs, block_n: int, resident: int, sms: int, kv_heads: int
+) -> None:
+    """``kv_split.best_chunk`` counted per KV head, as the cost model counts (its
+    ``sms_per_kv_head`` read back as a fraction, programs and slots scaled to whole numbers),
+    chooses the chunk of the backend's ``auto_chunk`` over all KV heads, also where SMs / KV heads
+    has no exact float (132 / 10)."""
     m = programs.draw(st.lists(st.integers(0, 8), min_size=len(kv_len), max_size=len(kv_len)))
     kv, m = np.array(kv_len, dtype=np.int64), np.array(m, dtype=np.int64)
     tile = work.TileConfig({1: 128, 2: 64, 4: 16}[resident], block_n, 4, 2)
-    backend = work.auto_chunk(kv, m * 8, tile, 132)
-    slots = 132 / 8 * resident
+    backend = work.auto_chunk(kv, m * kv_heads, tile, sms)
+    model = CostModel(0.0, 0.0, 0.0, 0.0, 0.0, 4, 16, 128, 128, 16384, sms / kv_heads)
+    unit, slots = model._sm_den, model._sm_num * resident
     ours = (
         kv_split.UNSPLIT
-        if m.sum() >= slots
-        else kv_split.best_chunk(kv, m, block_n, slots, kv_split.MAX_SPLITS)
+        if m.sum() * unit >= slots
+        else kv_split.best_chunk(kv, m * unit, block_n, slots, kv_split.MAX_SPLITS)
     )
     assert ours == backend
+
+
+def test_a_cost_model_needs_a_kv_step_per_tile() -> None:
+    with pytest.raises(ValueError, match="kv_tile_tokens needs one entry per tile of 16 to 256 rows"):
+        CostModel(0.0, 0.0, 0.0, 0.0, 0.0, 4, 16, 256, 128, 16384, 16.5)

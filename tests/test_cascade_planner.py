@@ -649,10 +649,11 @@ def test_one_explicit_threshold_decides_without_the_cost_model() -> None:
     }),
 )  # fmt: skip
 def test_cost_model_compares_the_features_of_both_plans(batch: Batch, rule: dict) -> None:
-    """What the cost model is asked about: the candidates' cascade, then the one-level plan unless
-    its floor rules it out, each with the features ``CostModel.features`` reads off the plan itself
-    (requests without queries included in the batch, not in the features; shared levels in or out
-    of the decode launch)."""
+    """What the cost model is asked about: the candidates' cascade, then the one-level plan, each
+    with the features ``CostModel.features`` reads off the plan itself (requests without queries
+    included in the batch, not in the features; shared levels in or out of the decode launch).
+    These batches are too small for the one-level plan's floor to rule it out unasked;
+    tests/test_calibration.py covers that skip."""
     seen: list = []
 
     class Recording(CostModel):
@@ -660,7 +661,9 @@ def test_cost_model_compares_the_features_of_both_plans(batch: Batch, rule: dict
             seen.append(features)
             return super().time_us(features)
 
-    model = Recording(1.0, 1.0, 1.0, 1.0, 1.0, **rule)
+    steps = (64,) * ((rule["max_rows"] // rule["min_rows"]).bit_length() - 1) + (128,)  # one per tile
+    coefficients = {"merge_us": 1.0, "step_us": 1.0, "item_us": 1.0, "kv_tile_tokens": steps}
+    model = Recording(1.0, 1.0, 1.0, 1.0, 1.0, **rule, **coefficients)
     with pytest.MonkeyPatch.context() as mp:  # candidates at any size, so that small batches have some
         mp.setattr(cascade_planner, "_MIN_SHARED_TOKENS", 1)
         mp.setattr(cascade_planner, "_MIN_SAVED_TOKENS", 0)
@@ -671,11 +674,7 @@ def test_cost_model_compares_the_features_of_both_plans(batch: Batch, rule: dict
         assert seen == []  # no candidate: nothing to compare
         return
     flat = CascadePlanner(max_levels=1, cost_model=None).plan(*args)
-    assert seen[0] == model.features(cascade)
-    if len(seen) == 1:  # the one-level plan's floor already exceeded the cascade's estimate
-        assert CostModel.time_us(model, model.features(flat)) > CostModel.time_us(model, seen[0])
-    else:
-        assert seen == [model.features(cascade), model.features(flat)]
+    assert seen == [model.features(cascade), model.features(flat)]
 
 
 def test_a_2d_table_with_equal_lengths_and_shared_segments_of_different_depths() -> None:
