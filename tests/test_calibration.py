@@ -96,25 +96,45 @@ def _decode_batch(
     return tables, kv_lens, qo_lens
 
 
-@settings(max_examples=80, deadline=None)
-@given(
-    page_size=st.sampled_from([1, 16, 64]),
-    groups=st.lists(st.tuples(st.integers(1, 200), st.integers(1, 40)), min_size=1, max_size=3),
-    system=st.integers(0, 64),
-    own=st.integers(1, 3000),
-    queries=st.lists(st.sampled_from([0, 1, 1, 1, 2, 9, 33, 200]), min_size=1, max_size=4).filter(any),
-    idle=st.integers(0, 20),
+#: Batches drawn for the schedule tests, as ``_decode_batch``'s arguments, that have been misjudged
+#: or that reach a corner of the schedule.
+_DECODE_EXAMPLES = (
+    (16, [(40, 10)], 0, 96, [1], 0),  # "p16 640 x 10, 96 own"
+    (16, [(16, 20)], 0, 16, [1], 0),  # 256 tokens: one split
+    (1, [(448, 14)], 0, 32, [1], 0),
+    (16, [(4, 17)], 0, 4096, [1], 50),  # splits, many groups
+    (16, [(64, 40)], 0, 2048, [1], 0),  # 40 over 2 waves
+    (16, [(64, 20)], 8, 512, [1, 200], 0),  # prefill chunks
+    (16, [(32, 24)], 0, 64, [0, 33], 3),  # readers without queries
 )
-@example(page_size=16, groups=[(40, 10)], system=0, own=96, queries=[1], idle=0)  # "p16 640 x 10, 96 own"
-@example(page_size=16, groups=[(16, 20)], system=0, own=16, queries=[1], idle=0)  # 256 tokens: one split
-@example(page_size=1, groups=[(448, 14)], system=0, own=32, queries=[1], idle=0)
-@example(page_size=16, groups=[(4, 17)], system=0, own=4096, queries=[1], idle=50)  # splits, many groups
-@example(page_size=16, groups=[(64, 40)], system=0, own=2048, queries=[1], idle=0)  # 40 over 2 waves
-@example(page_size=16, groups=[(64, 20)], system=8, own=512, queries=[1, 200], idle=0)  # prefill chunks
-@example(page_size=16, groups=[(32, 24)], system=0, own=64, queries=[0, 33], idle=3)  # readers, no queries
-def test_the_cost_model_replays_the_backends_schedule(
-    page_size: int, groups: list[tuple[int, int]], system: int, own: int, queries: list[int], idle: int
-) -> None:
+
+
+@st.composite
+def _decode_batches(draw) -> tuple[list[list[int]], list[int], list[int], int]:
+    """(tables, kv_lens, qo_lens, page_size) of a ``_decode_batch`` with at least one query."""
+    args = (
+        draw(st.sampled_from([1, 16, 64])),
+        draw(st.lists(st.tuples(st.integers(1, 200), st.integers(1, 40)), min_size=1, max_size=3)),
+        draw(st.integers(0, 64)),
+        draw(st.integers(1, 3000)),
+        draw(st.lists(st.sampled_from([0, 1, 1, 1, 2, 9, 33, 200]), min_size=1, max_size=4)),
+        draw(st.integers(0, 20)),
+    )
+    tables, kv_lens, qo_lens = _decode_batch(*args)
+    assume(any(qo_lens))  # the planner asks the model only about batches with queries
+    return tables, kv_lens, qo_lens, args[0]
+
+
+def _with_decode_batches(test):
+    """``test(batch)`` over 80 drawn batches and ``_DECODE_EXAMPLES``."""
+    test = given(batch=_decode_batches())(test)
+    for args in _DECODE_EXAMPLES:
+        test = example(batch=(*_decode_batch(*args), args[0]))(test)
+    return settings(max_examples=80, deadline=None)(test)
+
+
+@_with_decode_batches
+def test_the_cost_model_replays_the_backends_schedule(batch: tuple) -> None:
     """``CostModel.features`` counts the launches, the merge, the work items and the chain of KV
     steps of the backend's exact schedule, for both plans the planner compares: decode groups over
     prefixes of up to 200 pages under a system prompt (shared levels of few groups, split or not),
@@ -122,7 +142,7 @@ def test_the_cost_model_replays_the_backends_schedule(
     below a wave of programs), queries of 0-200 tokens per request (decodes, speculative steps,
     prefill chunks whose groups span several M tiles; requests that read a shared prefix with no
     queries this step), ``idle`` requests without queries (groups that run nothing)."""
-    tables, kv_lens, qo_lens = _decode_batch(page_size, groups, system, own, queries, idle)
+    tables, kv_lens, qo_lens, page_size = batch
     model = CostModel.load()
     for planner in (CascadePlanner(cost_model=None), CascadePlanner(max_levels=1, cost_model=None)):
         plan = planner.plan([np.array(t) for t in tables], kv_lens, qo_lens, page_size)
@@ -132,28 +152,12 @@ def test_the_cost_model_replays_the_backends_schedule(
         assert f.chain_steps == pytest.approx(chain, rel=1e-12)
 
 
-@settings(max_examples=80, deadline=None)
-@given(
-    page_size=st.sampled_from([1, 16, 64]),
-    groups=st.lists(st.tuples(st.integers(1, 200), st.integers(1, 40)), min_size=1, max_size=3),
-    system=st.integers(0, 64),
-    own=st.integers(1, 3000),
-    queries=st.lists(st.sampled_from([0, 1, 1, 1, 2, 9, 33, 200]), min_size=1, max_size=4).filter(any),
-    idle=st.integers(0, 20),
-)
-@example(page_size=16, groups=[(40, 10)], system=0, own=96, queries=[1], idle=0)  # "p16 640 x 10, 96 own"
-@example(page_size=16, groups=[(16, 20)], system=0, own=16, queries=[1], idle=0)  # 256 tokens: one split
-@example(page_size=1, groups=[(448, 14)], system=0, own=32, queries=[1], idle=0)
-@example(page_size=16, groups=[(4, 17)], system=0, own=4096, queries=[1], idle=50)  # splits, many groups
-@example(page_size=16, groups=[(64, 40)], system=0, own=2048, queries=[1], idle=0)  # 40 over 2 waves
-def test_the_one_level_floor_bounds_the_one_level_time(
-    page_size: int, groups: list[tuple[int, int]], system: int, own: int, queries: list[int], idle: int
-) -> None:
+@_with_decode_batches
+def test_the_one_level_floor_bounds_the_one_level_time(batch: tuple) -> None:
     """``CostModel.one_level_floor_us`` never exceeds the one-level plan's ``time_us`` (the planner
     skips that plan's schedule when the floor is above the cascade's time), and the planner's choice
     is the comparison of the two plans' full estimates."""
-    tables, kv_lens, qo_lens = _decode_batch(page_size, groups, system, own, queries, idle)
-    assume(any(qo_lens))  # the planner asks the model only about batches with queries
+    tables, kv_lens, qo_lens, page_size = batch
     model = CostModel.load()
     rows = [np.array(t) for t in tables]
     cascade, one = (
