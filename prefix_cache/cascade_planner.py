@@ -122,6 +122,7 @@ class CascadePlanner:
         qo_planned.cumsum(out=qo_indptr[1:])
         qo_at = qo_indptr.tolist()
 
+        by_level = _by_level(nodes)
         if nodes and self._cost_model_decides():
             model = self.cost_model
             # Both plans read the same pages: each page of a shared prefix once (the LCPs are the
@@ -129,7 +130,7 @@ class CascadePlanner:
             kv_read = int(kv @ active)
             distinct = float(kv_read - page_size * int(lcp.sum()))
             cascade = _cascade_features(
-                model, nodes, qo_planned, qo_at, kv_planned, shared_end, page_size, distinct
+                model, by_level, qo_planned, qo_at, kv_planned, shared_end, page_size, distinct
             )
             cascade_us = model.time_us(cascade)
             pairs = float(qo @ kv)
@@ -141,7 +142,7 @@ class CascadePlanner:
                 one = model.schedule([(qo, kv if active.all() else kv * active, True)])
                 flat = PlanFeatures(1, one[0], one[1], distinct, pairs, one[2], one[3])
                 if model.time_us(flat) <= cascade_us:
-                    nodes, shared_end = (), np.zeros(batch, dtype=np.int64)
+                    nodes, by_level, shared_end = (), [], np.zeros(batch, dtype=np.int64)
         if not nodes:
             # One level: nothing to group, so keep the engine's order (requests without queries last,
             # holding no query tokens): query_order is then the identity and a backend needs no
@@ -151,10 +152,6 @@ class CascadePlanner:
             qo_planned.cumsum(out=qo_indptr[1:])
             qo_at = qo_indptr.tolist()
 
-        # Nodes come in pre-order, so each level's are in planned order.
-        by_level: list[list[_Node]] = [[] for _ in range(max((n.level + 1 for n in nodes), default=0))]
-        for node in nodes:
-            by_level[node.level].append(node)
         rows = order.tolist() if nodes else []
         levels = [_shared_level(level, pages, rows, qo_at, page_size) for level in by_level]
         levels.append(_unique_level(pages, order, kv_planned, qo_planned, qo_indptr, shared_end, page_size))
@@ -226,7 +223,7 @@ _LCP_BLOCK = 64
 
 def _cascade_features(
     model: CostModel,
-    nodes: Sequence[_Node],
+    by_level: list[list[_Node]],
     qo_planned: np.ndarray,
     qo_at: list[int],
     kv_planned: np.ndarray,
@@ -234,37 +231,26 @@ def _cascade_features(
     page_size: int,
     kv_tokens: float,
 ) -> PlanFeatures:
-    """``model.features`` of the plan these nodes make, without building it. ``qo_at``: the planned
-    query offsets (``batch + 1``); ``kv_tokens``: the batch's distinct KV tokens."""
-    num_shared = max((n.level for n in nodes), default=-1) + 1
-    # Per shared level, its groups as _shared_level makes them: a node's, and one without KV per run
-    # of requests between nodes (its M tiles count in the backend's split choice).
-    queries: list[list[int]] = [[] for _ in range(num_shared)]
-    tokens: list[list[int]] = [[] for _ in range(num_shared)]
-    position = [0] * num_shared
-    # The shared levels' few groups are summed as Python ints (a numpy call costs more than a
-    # dozen of those).
+    """``model.features`` of the plan these nodes (``_by_level``) make, without building it.
+    ``qo_at``: the planned query offsets (``batch + 1``); ``kv_tokens``: the batch's distinct KV
+    tokens."""
+    # Each shared level's groups as _shared_level makes them (a group without KV counts in the
+    # backend's split choice), summed as Python ints: a numpy call costs more than a dozen of those.
+    shapes: list[LevelShape] = []
     shared_pairs = 0
-    for node in nodes:
-        level = node.level
-        if qo_at[node.lo] > qo_at[position[level]]:
-            queries[level].append(qo_at[node.lo] - qo_at[position[level]])
-            tokens[level].append(0)
-        q, t = qo_at[node.hi] - qo_at[node.lo], (node.end - node.start) * page_size
-        queries[level].append(q)
-        tokens[level].append(t)
-        position[level] = node.hi
-        shared_pairs += q * t
-    for level, at in enumerate(position):
-        if qo_at[-1] > qo_at[at]:
-            queries[level].append(qo_at[-1] - qo_at[at])
-            tokens[level].append(0)
+    for nodes in by_level:
+        queries, tokens, start = [], [], 0
+        for end, node in _level_groups(nodes, qo_at):
+            queries.append(end - start)
+            tokens.append(0 if node is None else (node.end - node.start) * page_size)
+            shared_pairs += queries[-1] * tokens[-1]
+            start = end
+        shapes.append((queries, tokens, False))
     own = (kv_planned - shared_end * page_size) * (qo_planned > 0)
     pairs = float(shared_pairs + own @ qo_planned)
-    shapes: list[LevelShape] = [(q, t, False) for q, t in zip(queries, tokens, strict=True)]
     shapes.append((qo_planned, own, True))
     launches, merge, chain, items = model.schedule(shapes)
-    return PlanFeatures(num_shared + 1, launches, merge, kv_tokens, pairs, chain, items)
+    return PlanFeatures(len(by_level) + 1, launches, merge, kv_tokens, pairs, chain, items)
 
 
 def _whole_rows(block_tables: object, pages: Pages) -> np.ndarray | None:
@@ -380,6 +366,31 @@ def _lcp_intervals(lcp: np.ndarray) -> list[tuple[int, int, int]]:
     return found
 
 
+def _by_level(nodes: Sequence[_Node]) -> list[list[_Node]]:
+    """The kept nodes of each shared level. Nodes come in pre-order, so each level's are in planned
+    order."""
+    by_level: list[list[_Node]] = [[] for _ in range(max((n.level + 1 for n in nodes), default=0))]
+    for node in nodes:
+        by_level[node.level].append(node)
+    return by_level
+
+
+def _level_groups(nodes: list[_Node], qo_at: list[int]) -> list[tuple[int, _Node | None]]:
+    """A shared level's groups, in planned order: (where its queries end, its node), one per node of
+    the level and one without a node (no KV) per run of requests between them. ``qo_at``: the
+    planned query offsets (``batch + 1``); each group's queries start where the last one's end."""
+    groups: list[tuple[int, _Node | None]] = []
+    position = 0
+    for node in nodes:
+        if qo_at[node.lo] > qo_at[position]:
+            groups.append((qo_at[node.lo], None))
+        groups.append((qo_at[node.hi], node))
+        position = node.hi
+    if qo_at[-1] > qo_at[position]:
+        groups.append((qo_at[-1], None))
+    return groups
+
+
 def _shared_level(
     nodes: list[_Node],
     pages: Pages,
@@ -387,29 +398,19 @@ def _shared_level(
     qo_at: list[int],
     page_size: int,
 ) -> CascadeLevel:
-    """One group per node of this level (in planned order), and one group without KV per run of
-    requests between them. ``rows``: the planned order (request per position); ``qo_at``: the
-    planned query offsets (``batch + 1``)."""
-    group_qo = [0]
-    group_pages: list[np.ndarray] = []
-    num_pages: list[int] = []
-    position = 0
+    """The level of these nodes (``_level_groups``). ``rows``: the planned order (request per
+    position); ``qo_at``: the planned query offsets (``batch + 1``)."""
+    groups = _level_groups(nodes, qo_at)
     two_d = isinstance(pages, np.ndarray)
-    for node in nodes:
-        if qo_at[node.lo] > qo_at[position]:
-            group_qo.append(qo_at[node.lo])
-            num_pages.append(0)
-        group_qo.append(qo_at[node.hi])
-        # Members share these pages by construction; any member's table gives them.
-        row = rows[node.lo]
-        group_pages.append(pages[row, node.start : node.end] if two_d else pages[row][node.start : node.end])
-        num_pages.append(node.end - node.start)
-        position = node.hi
-    if qo_at[-1] > qo_at[position]:
-        group_qo.append(qo_at[-1])
-        num_pages.append(0)
+    # Members share a node's pages by construction; any member's table gives them.
+    group_pages = [
+        pages[rows[node.lo], node.start : node.end] if two_d else pages[rows[node.lo]][node.start : node.end]
+        for _, node in groups
+        if node is not None
+    ]
+    num_pages = [0 if node is None else node.end - node.start for _, node in groups]
     return CascadeLevel(
-        qo_indptr=np.array(group_qo, dtype=_I32),
+        qo_indptr=np.array([0, *(end for end, _ in groups)], dtype=_I32),
         kv_indptr=np.array([0, *itertools.accumulate(num_pages)], dtype=_I32),
         kv_indices=_concat(group_pages),
         kv_last_page_len=np.array([page_size if n else 0 for n in num_pages], dtype=_I32),

@@ -356,7 +356,7 @@ class _Many:
         steps = (self.kv_read + (block_n - 1)) // block_n
         # Groups with queries but no KV have no split, and their tokens no state: the merge writes them.
         other = (
-            self.q_max > 0 and np.count_nonzero(self.q) != items
+            self.q_max > 0 and self.with_q != items
             if m is None
             else bool(((self.q > 0) & (self.kv == 0)).any())
         )
