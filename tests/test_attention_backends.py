@@ -470,8 +470,8 @@ def test_auto_backend_runs_long_shared_levels_on_fa3(hq: int, hkv: int, d: int, 
 
 def test_graph_keys() -> None:
     """Under a capacity, one-level plans that the routing sends to FlashInfer take its decode or
-    prefill graph; every other plan, and every plan of a backend without FlashInfer, the Triton one;
-    a backend without a capacity has no key."""
+    prefill graph; every other plan, and every plan of a backend without FlashInfer, a Triton one
+    (without the wide tile's launch when no level needs it); a backend without a capacity has no key."""
     pytest.importorskip("triton")
     from prefix_cache.attention.auto_backend import Routing, choose_graph_key
     from prefix_cache.attention.triton_backend import GraphCapacity
@@ -510,7 +510,9 @@ def test_graph_keys() -> None:
 
     device = SWEEPS["triton"].device
     heads = dict(num_qo_heads=4, num_kv_heads=1, head_dim=16, q_dtype=torch.float32)
-    capacity = GraphCapacity(max_query_tokens=8, max_pages=100)
+    capacity = GraphCapacity(max_query_tokens=24, max_pages=100)
+    generator = torch.Generator().manual_seed(3)
+    kv_cache = torch.randn(60, 2, 16, 1, 16, generator=generator).to(device)
     import flashinfer_stand_in
 
     for name in ("triton", "auto"):
@@ -518,20 +520,27 @@ def test_graph_keys() -> None:
         backend = create_backend(name, device=device, capacity=capacity)
         if name == "auto":
             backend._fi_module = flashinfer_stand_in  # FlashInfer is only looked for on CUDA
-        backend.plan(decode, **heads)  # float32: never FlashInfer
-        assert backend.graph_key == "triton"
+        for plan, key, qo_lens in ((decode, "triton-narrow", [1, 1, 1]), (prefill, "triton", [16, 1, 1]),
+                                   (decode, "triton-narrow", [1, 1, 1])):  # fmt: skip
+            # float32: never FlashInfer; decode rows fit the narrow tile, 16 queries x 4 heads the wide.
+            backend.plan(plan, **heads)
+            assert backend.graph_key == key
+            # The key's launches are the plan's whole work: the output is right.
+            q = torch.randn(sum(qo_lens), 4, 16, generator=generator).to(device)
+            expected = reference_attention(q, kv_cache, unshared, [300, 310, 20], qo_lens, 16**-0.5)
+            torch.testing.assert_close(backend.run(q, kv_cache).double(), expected, atol=2e-5, rtol=2e-5)
         backend.plan(decode, **{**heads, "q_dtype": torch.bfloat16})
-        assert backend.graph_key == {"triton": "triton", "auto": "flashinfer-decode"}[name]
+        assert backend.graph_key == {"triton": "triton-narrow", "auto": "flashinfer-decode"}[name]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("layout", ["contiguous", "strided"])
 def test_auto_backend_graphs_replay_across_plans_of_each_key(layout: str) -> None:
-    """With a capacity, the auto backend's four launch sets (FlashInfer decode, FlashInfer prefill,
-    our Triton cascade, and on Hopper that cascade with its long shared level on FA3) each replay from
-    one CUDA graph, captured at its key's first plan, after later plans of that key with other batch
-    sizes, prefix lengths and query counts: every replay against the
+    """With a capacity, the auto backend's five launch sets (FlashInfer decode, FlashInfer prefill,
+    our Triton cascade with and without its wide tile, and on Hopper that cascade with its long shared
+    level on FA3) each replay from one CUDA graph, captured at its key's first plan, after later plans
+    of that key with other batch sizes, prefix lengths and query counts: every replay against the
     float64 reference, the padding rows as documented, into a contiguous ``out`` and a strided one. A plan
     over the capacity raises and leaves the backend serving plans that fit."""
     pytest.importorskip("flashinfer")
@@ -555,9 +564,9 @@ def test_auto_backend_graphs_replay_across_plans_of_each_key(layout: str) -> Non
 
     def batch(kind: str):
         free = list(rng.permutation(num_pages))
-        if kind == "shared":
-            shared = [free.pop() for _ in range(32)]  # 512 tokens
-            n = int(rng.integers(2, 9))
+        if kind in ("shared", "wide"):  # 512 tokens shared by 2-8 decodes, or by 33-40 (over 128 rows)
+            shared = [free.pop() for _ in range(32)]
+            n = int(rng.integers(2, 9)) if kind == "shared" else int(rng.integers(33, 41))
             tables = [np.array([*shared, free.pop()]) for _ in range(n)]
             kv_lens = [512 + int(rng.integers(1, page_size + 1)) for _ in range(n)]
             return tables, kv_lens, [1] * n
@@ -583,8 +592,9 @@ def test_auto_backend_graphs_replay_across_plans_of_each_key(layout: str) -> Non
     keys = {
         "decode": "flashinfer-decode",
         "prefill": "flashinfer-prefill",
-        "shared": "triton",
-        "long": "triton+fa3" if hopper else "triton",
+        "shared": "triton-narrow",
+        "wide": "triton",
+        "long": "triton+fa3" if hopper else "triton-narrow",
     }
     replayed: dict[str, set[int]] = {}
 
@@ -613,7 +623,7 @@ def test_auto_backend_graphs_replay_across_plans_of_each_key(layout: str) -> Non
         torch.testing.assert_close(got, expected, atol=1.6e-2 * float(expected.abs().max()), rtol=0, msg=key)
         replayed.setdefault(key, set()).add(nq)
 
-    for kind in ["decode", "prefill", "shared", "long"] * 4:
+    for kind in ["decode", "prefill", "shared", "wide", "long"] * 4:
         step(kind)
     assert all(len(counts) >= 2 for counts in replayed.values()), replayed  # other row counts replayed
     many = [np.array([i]) for i in range(capacity.max_query_tokens + 1)]

@@ -797,8 +797,9 @@ def _random_batch(rng: np.random.Generator, page_size: int, num_pages: int, max_
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gpu_cuda_graph_replays_across_plans(dtype):
-    """Capture ``run`` once, then re-plan batches of other sizes, trees and depths and replay: each
-    replay matches the float64 reference; a batch over the capacity is refused."""
+    """Capture ``run`` once per ``graph_key`` (with and without the wide tile's launch), then re-plan
+    batches of other sizes, trees and depths and replay the plan's key: each replay matches the
+    float64 reference; a batch over the capacity is refused."""
     from attention_reference import reference_attention
 
     page_size, hq, hkv, d, num_pages, max_tokens = 16, 32, 8, 128, 6000, 96
@@ -810,8 +811,8 @@ def test_gpu_cuda_graph_replays_across_plans(dtype):
     heads = dict(num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, q_dtype=dtype)
     q = torch.zeros(max_tokens, hq, d, device="cuda", dtype=dtype)
     out = torch.zeros_like(q)
-    graph = None
-    depths = set()
+    graphs: dict[str, torch.cuda.CUDAGraph] = {}
+    depths, replayed = set(), {}
     for step in range(12):
         tables, kv_lens, qo_lens = _random_batch(rng, page_size, num_pages, int(rng.integers(1, 11)))
         plan = planners[step % 4].plan(tables, kv_lens, qo_lens, page_size)
@@ -819,20 +820,23 @@ def test_gpu_cuda_graph_replays_across_plans(dtype):
         backend.plan(plan, **heads)
         nq = plan.num_query_tokens
         q.normal_(generator=gen)
-        if graph is None:
+        key = backend.graph_key
+        if key not in graphs:
             backend.run(q, kv_cache, out=out)  # compile outside the capture
             torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            graphs[key] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graphs[key]):
                 backend.run(q, kv_cache, out=out)
         out.fill_(float("nan"))
-        graph.replay()
+        graphs[key].replay()
+        replayed[key] = replayed.get(key, 0) + 1
         expected = reference_attention(q[:nq], kv_cache, tables, kv_lens, qo_lens, d**-0.5)
         tol = 1e-4 if dtype == torch.float32 else ATOL[dtype]
         got = out[:nq].double()
         assert got.isfinite().all() and out[nq:].isnan().all()
         torch.testing.assert_close(got, expected, atol=tol * float(expected.abs().max()), rtol=0)
     assert len(depths) >= 3, "the steps must differ in depth"
+    assert sorted(replayed) == ["triton", "triton-narrow"] and min(replayed.values()) >= 2, replayed
     too_many = CascadePlanner().plan([[i] for i in range(max_tokens + 1)], [9] * 97, [1] * 97, page_size)
     with pytest.raises(ValueError, match="97 query tokens, over the backend's capacity"):
         backend.plan(too_many, **heads)

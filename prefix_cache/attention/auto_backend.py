@@ -21,8 +21,9 @@ With a ``GraphCapacity`` (``run`` captured in CUDA graphs and replayed across pl
 of one level whose requests all have KV, that the rule sends to FlashInfer, runs on FlashInfer's
 CUDA-graph prefill wrappers (``prefix_cache.attention.flashinfer_graphs``: FA2 for decode, FA3 on
 Hopper for prefill), and every other plan on the fixed-capacity Triton backend, on Hopper with its
-``LevelRule`` level on FA3's CUDA-graph mode. Those are four fixed sequences of launches
-(``"flashinfer-decode"``, ``"flashinfer-prefill"``, ``"triton"``, ``"triton+fa3"``), one graph each:
+``LevelRule`` level on FA3's CUDA-graph mode. Those are five fixed sequences of launches
+(``"flashinfer-decode"``, ``"flashinfer-prefill"``, ``"triton"``, ``"triton-narrow"``,
+``"triton+fa3"``), one graph each:
 ``graph_key`` names the current plan's, and a graph captured under one key replays after any later
 plan with the same key. An engine keeps a graph per (batch bucket, key).
 """

@@ -13,8 +13,11 @@ permutation, so q is never copied. A plan without tokens to merge launches no me
 With a ``GraphCapacity`` the backend keeps fixed-size buffers and a fixed set of launches (a narrow
 and a wide tile, each over a fixed persistent grid, then the merge over one program per token of
 the capacity): ``run`` can be captured in a CUDA graph once and replayed after any later ``plan``
-that fits the capacity, because ``plan`` only rewrites the contents of the same device buffers.
-In a captured graph the two attention launches are parallel branches (``launch_levels``).
+that fits the capacity and has the same ``graph_key``, because ``plan`` only rewrites the contents
+of the same device buffers. A plan with no work on the wide tile (decode batches whose shared levels
+are small) has the key ``"triton-narrow"`` and launches the narrow tile only; any other plan
+``"triton"``, both tiles. In a captured graph the two attention launches are parallel branches
+(``launch_levels``).
 
 On Hopper the auto backend also gives the backend a ``SharedLevelsOnFlashInfer``
 (``flashinfer_levels``): a long shared level with many query rows then runs on FlashInfer's FA3
@@ -193,6 +196,8 @@ class TritonBackend(AttentionBackend):
         self._shared_levels = None
         self._external = False
         self._ext_rows = None
+        # Under a capacity: the current plan has no work on the wide tile, and runs without its launch.
+        self._narrow_only = False
         # Captured in a CUDA graph, the second attention launch runs on this stream (see launch_levels).
         self._side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
@@ -201,12 +206,16 @@ class TritonBackend(AttentionBackend):
 
     @property
     def graph_key(self) -> str | None:
-        """Under a capacity: ``"triton"``, or ``"triton+fa3"`` when one of the plan's shared levels
-        runs on FlashInfer's FA3 (``_shared_levels``, set by the auto backend): two fixed sequences
-        of launches, one graph each."""
+        """Under a capacity, the plan's fixed sequence of launches (one graph each): ``"triton+fa3"``
+        when one of its shared levels runs on FlashInfer's FA3 (``_shared_levels``, set by the auto
+        backend); else ``"triton-narrow"`` when no level runs on the wide tile, ``"triton"`` when one
+        does. A graph of both tiles also replays a plan of the narrow one, whose empty wide launch
+        still costs 1-2 µs of a replayed step (benchmarks/NOTES.md, attempts 25 and 30)."""
         if self.capacity is None:
             return None
-        return "triton+fa3" if self._external else "triton"
+        if self._external:
+            return "triton+fa3"
+        return "triton-narrow" if self._narrow_only else "triton"
 
     def _prepare(self, plan: CascadePlan) -> None:
         if not plan.levels:
@@ -381,6 +390,7 @@ class TritonBackend(AttentionBackend):
                 f"capacity of {cap.work_items} and {cap.partial_rows}"
             )
         self._commit_external(ext)
+        self._narrow_only = ext is None and works[1].shape[0] == 0
         sec = Sections([cap.work_items] * len(tiles), cap.max_pages, cap.max_levels, cap.max_query_tokens)
         if self._fixed_shape is None:
             self._ints = torch.zeros(sec.size, dtype=torch.int32, device=self.device)
@@ -491,6 +501,8 @@ class TritonBackend(AttentionBackend):
         attempt 25). Eager runs stay on one stream: the switch cost 13-89 µs of host time per run there.
         """
         launches = list(zip(self._launches, self._attention_launches, strict=True))
+        if self._narrow_only:
+            launches = launches[:1]
         side = None
         if self._side_stream is not None and len(launches) > 1 and torch.cuda.is_current_stream_capturing():
             side = self._side_stream
