@@ -122,16 +122,17 @@ class CascadePlanner:
         qo_planned.cumsum(out=qo_indptr[1:])
         qo_at = qo_indptr.tolist()
 
-        by_level = _by_level(nodes)
+        # Each shared level's groups (_level_groups), laid out once for the cost model and the level.
+        level_groups = [_level_groups(level, qo_at) for level in _by_level(nodes)]
+        # Per planned request, its KV tokens after its deepest shared segment (0 without queries).
+        own = (kv_planned - shared_end * page_size) * (qo_planned > 0)
         if nodes and self._cost_model_decides():
             model = self.cost_model
             # Both plans read the same pages: each page of a shared prefix once (the LCPs are the
             # pages that sorted neighbours share).
             kv_read = int(kv @ active)
             distinct = float(kv_read - page_size * int(lcp.sum()))
-            cascade = _cascade_features(
-                model, by_level, qo_planned, qo_at, kv_planned, shared_end, page_size, distinct
-            )
+            cascade = _cascade_features(model, level_groups, qo_planned, own, page_size, distinct)
             cascade_us = model.time_us(cascade)
             pairs = float(qo @ kv)
             # The one-level plan's schedule (~25 µs to replay) only where a floor of its time does
@@ -142,19 +143,19 @@ class CascadePlanner:
                 one = model.schedule([(qo, kv if active.all() else kv * active, True)])
                 flat = PlanFeatures(1, one[0], one[1], distinct, pairs, one[2], one[3])
                 if model.time_us(flat) <= cascade_us:
-                    nodes, by_level, shared_end = (), [], np.zeros(batch, dtype=np.int64)
+                    nodes, level_groups, shared_end = (), [], np.zeros(batch, dtype=np.int64)
         if not nodes:
             # One level: nothing to group, so keep the engine's order (requests without queries last,
             # holding no query tokens): query_order is then the identity and a backend needs no
             # permutation of q or the output.
             order = np.concatenate([np.flatnonzero(active), np.flatnonzero(~active)])
-            qo_planned, kv_planned = qo[order], kv[order]
+            qo_planned = qo[order]
             qo_planned.cumsum(out=qo_indptr[1:])
-            qo_at = qo_indptr.tolist()
+            own = kv[order] * (qo_planned > 0)
 
         rows = order.tolist() if nodes else []
-        levels = [_shared_level(level, pages, rows, qo_at, page_size) for level in by_level]
-        levels.append(_unique_level(pages, order, kv_planned, qo_planned, qo_indptr, shared_end, page_size))
+        levels = [_shared_level(groups, pages, rows, page_size) for groups in level_groups]
+        levels.append(_unique_level(pages, order, own, qo_indptr, shared_end, page_size))
         if unchecked:
             check_read_page_ids(pages, -(-kv // page_size), active, levels)
 
@@ -223,34 +224,31 @@ _LCP_BLOCK = 64
 
 def _cascade_features(
     model: CostModel,
-    by_level: list[list[_Node]],
+    level_groups: list[list[tuple[int, _Node | None]]],
     qo_planned: np.ndarray,
-    qo_at: list[int],
-    kv_planned: np.ndarray,
-    shared_end: np.ndarray,
+    own: np.ndarray,
     page_size: int,
     kv_tokens: float,
 ) -> PlanFeatures:
-    """``model.features`` of the plan these nodes (``_by_level``) make, without building it.
-    ``qo_at``: the planned query offsets (``batch + 1``); ``kv_tokens``: the batch's distinct KV
-    tokens."""
+    """``model.features`` of the plan with these shared levels (``_level_groups`` of each) and a
+    unique level of ``own`` KV tokens per planned request, without building it. ``kv_tokens``: the
+    batch's distinct KV tokens."""
     # Each shared level's groups as _shared_level makes them (a group without KV counts in the
     # backend's split choice), summed as Python ints: a numpy call costs more than a dozen of those.
     shapes: list[LevelShape] = []
     shared_pairs = 0
-    for nodes in by_level:
+    for groups in level_groups:
         queries, tokens, start = [], [], 0
-        for end, node in _level_groups(nodes, qo_at):
+        for end, node in groups:
             queries.append(end - start)
             tokens.append(0 if node is None else (node.end - node.start) * page_size)
             shared_pairs += queries[-1] * tokens[-1]
             start = end
         shapes.append((queries, tokens, False))
-    own = (kv_planned - shared_end * page_size) * (qo_planned > 0)
     pairs = float(shared_pairs + own @ qo_planned)
     shapes.append((qo_planned, own, True))
     launches, merge, chain, items = model.schedule(shapes)
-    return PlanFeatures(len(by_level) + 1, launches, merge, kv_tokens, pairs, chain, items)
+    return PlanFeatures(len(level_groups) + 1, launches, merge, kv_tokens, pairs, chain, items)
 
 
 def _whole_rows(block_tables: object, pages: Pages) -> np.ndarray | None:
@@ -392,15 +390,10 @@ def _level_groups(nodes: list[_Node], qo_at: list[int]) -> list[tuple[int, _Node
 
 
 def _shared_level(
-    nodes: list[_Node],
-    pages: Pages,
-    rows: list[int],
-    qo_at: list[int],
-    page_size: int,
+    groups: list[tuple[int, _Node | None]], pages: Pages, rows: list[int], page_size: int
 ) -> CascadeLevel:
-    """The level of these nodes (``_level_groups``). ``rows``: the planned order (request per
-    position); ``qo_at``: the planned query offsets (``batch + 1``)."""
-    groups = _level_groups(nodes, qo_at)
+    """The level of these groups (``_level_groups``). ``rows``: the planned order (request per
+    position)."""
     two_d = isinstance(pages, np.ndarray)
     # Members share a node's pages by construction; any member's table gives them.
     group_pages = [
@@ -421,35 +414,35 @@ def _shared_level(
 def _unique_level(
     pages: Pages,
     order: np.ndarray,
-    kv_planned: np.ndarray,
-    qo_planned: np.ndarray,
+    own: np.ndarray,
     qo_indptr: np.ndarray,
     shared_end: np.ndarray,
     page_size: int,
 ) -> CascadeLevel:
     """One causal group per request: its pages after its deepest shared segment (none if it has no
-    queries). Always non-empty for a request with queries: shared segments stop before new tokens.
-    ``kv_planned``, ``qo_planned``: the lengths in planned order."""
-    # Requests without queries have no pages here, and no shared ones either (they sit after every
-    # shared node): their end is their shared_end, 0.
-    end = (kv_planned + (page_size - 1)) // page_size * (qo_planned > 0)
+    queries). ``own``: per planned request, its KV tokens after that segment; at least one for a
+    request with queries (shared segments stop before new tokens), 0 for one without (which sits
+    after every shared node, its shared_end 0)."""
+    num_pages = -(own // -page_size)
+    end = shared_end + num_pages
     first, stop = (int(shared_end[0]), int(end[0])) if end.size else (0, 0)
     if isinstance(pages, np.ndarray) and (shared_end == first).all() and (end == stop).all():
         # Every request reads the same columns (samples of one prompt in step): one 2-D gather.
-        own = pages[order, first:stop].reshape(-1)
+        ids = pages[order, first:stop].reshape(-1)
     else:
         spans = zip(order.tolist(), shared_end.tolist(), end.tolist(), strict=True)
         # A 2-D array is sliced in one indexing step per request (no row view in between).
-        own = _concat(
+        ids = _concat(
             [pages[r, s:e] for r, s, e in spans]
             if isinstance(pages, np.ndarray)
             else [pages[r][s:e] for r, s, e in spans]
         )
-    last = ((kv_planned - 1) % page_size + 1) * (end > shared_end)  # tokens in the last page
+    # Tokens in the last page: those after the whole pages before it, 0 without pages.
+    last = np.minimum(own - (num_pages - 1) * page_size, own)
     return CascadeLevel(
         qo_indptr=qo_indptr.astype(_I32),
-        kv_indptr=_indptr(end - shared_end),
-        kv_indices=own,
+        kv_indptr=_indptr(num_pages),
+        kv_indices=ids,
         kv_last_page_len=last.astype(_I32),
         causal=True,
     )

@@ -273,26 +273,40 @@ def _split(kv: int, chunk: int, block_n: int) -> tuple[int, int, int]:
 
 
 class _Few:
-    """A level of few groups, counted in Python ints."""
+    """A level of few groups, counted in Python ints (remembered: a plan's shared levels keep their
+    lengths from step to step)."""
 
     def __init__(self, q: np.ndarray | Sequence[int], kv: np.ndarray | Sequence[int]):
         self.q = tuple(q.tolist() if isinstance(q, np.ndarray) else q)
         self.kv = tuple(kv.tolist() if isinstance(kv, np.ndarray) else kv)
-        self.top = max((a for a, b in zip(self.q, self.kv, strict=True) if b > 0), default=0)
+        self.top = _few_top(self.q, self.kv)
 
     def tiles(self, tile_q: int) -> int:
         """M tiles of the groups with KV."""
-        return sum(-(-a // tile_q) for a, b in zip(self.q, self.kv, strict=True) if b > 0)
+        return _few_tiles(self.q, self.kv, tile_q)[0]
 
     def reads(self, tile_q: int) -> int:
         """KV tokens its M tiles read."""
-        return sum(-(-a // tile_q) * b for a, b in zip(self.q, self.kv, strict=True))
+        return _few_tiles(self.q, self.kv, tile_q)[1]
 
     def counts(self, tile_q: int, block_n: int, slots: int, unit: int) -> tuple[int, int, int, bool]:
         """(items, KV steps of all items, KV steps of the longest, whether a group with queries has
         other than one split) on a tile of ``tile_q`` query tokens, where a wave holds ``slots`` /
         ``unit`` programs per KV head."""
         return _few_counts(self.q, self.kv, tile_q, block_n, slots, unit)
+
+
+@functools.lru_cache(maxsize=256)
+def _few_top(q: tuple[int, ...], kv: tuple[int, ...]) -> int:
+    """Query tokens of the largest group with KV."""
+    return max((a for a, b in zip(q, kv, strict=True) if b > 0), default=0)
+
+
+@functools.lru_cache(maxsize=256)
+def _few_tiles(q: tuple[int, ...], kv: tuple[int, ...], tile_q: int) -> tuple[int, int]:
+    """(M tiles of the groups with KV, KV tokens those tiles read) on a tile of ``tile_q`` queries."""
+    m = [-(-a // tile_q) for a in q]
+    return sum(t for t, b in zip(m, kv, strict=True) if b > 0), sum(t * b for t, b in zip(m, kv, strict=True))
 
 
 @functools.lru_cache(maxsize=256)

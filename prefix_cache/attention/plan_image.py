@@ -88,9 +88,9 @@ def fill_image(
     the Triton launches (``SharedLevelsOnFlashInfer.plan``), or None. merge_slots: the merge
     launch's programs (the row length of the ext table); default the merged tokens."""
     nq = order.shape[0]
-    for offset, work in zip(sec.work, works, strict=True):
+    for i, (offset, work) in enumerate(zip(sec.work, works, strict=True)):
         host[offset : offset + work.size] = work.reshape(-1)
-    host[sec.num_work : sec.num_work + len(works)] = [w.shape[0] for w in works]
+        host[sec.num_work + i] = work.shape[0]  # an item at a time: no array made of a list
     at = sec.kv_indices
     for level in levels:
         host[at : at + level.kv_indices.shape[0]] = level.kv_indices
