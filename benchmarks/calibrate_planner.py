@@ -119,7 +119,7 @@ def tile_rule(sms: int) -> dict:
         "join_rows": SHARED_ON_NARROW_ROWS,
         "join_tile_tokens": SHARED_ON_NARROW_READS // (KV_HEADS * HEAD_DIM * 2),
         "sms_per_kv_head": sms / KV_HEADS,
-        "kv_tile_tokens": [tile.block_n for tile in tile_configs(rows, HEADS // KV_HEADS, HEAD_DIM, 16)],
+        "kv_tile_tokens": tuple(tile.block_n for tile in tile_configs(rows, HEADS // KV_HEADS, HEAD_DIM, 16)),
     }
 
 
@@ -201,7 +201,7 @@ def fit(paths: list[str], out: str) -> None:
     if len(sms) != 1:
         raise SystemExit(f"the results come from GPUs of different SM counts {sorted(sms)}: fit one GPU")
     rule = tile_rule(sms.pop())
-    counting = CostModel(0.0, 0.0, 0.0, 0.0, 0.0, **{**rule, "kv_tile_tokens": tuple(rule["kv_tile_tokens"])})
+    counting = CostModel(0.0, 0.0, 0.0, 0.0, 0.0, **rule)
     points, report = [], []
     for name, row in rows.items():
         case = CASES[name]

@@ -216,12 +216,19 @@ def test_check_level_rejects(qo, kvp, idx, last, page_size, message) -> None:
 
 
 def _outcome(check):
-    """The arrays ``check()`` returns (as lists, with their dtypes), or the error it raises."""
+    """The arrays ``check()`` returns (as lists, with their dtypes) and each level's largest page id,
+    or the error it raises."""
     try:
-        arrays = [[lv.qo_indptr, lv.kv_indptr, lv.kv_indices, lv.q_len, lv.kv_len] for lv in check()]
+        levels = check()
     except ValueError as exc:
         return str(exc)
-    return [[(a.tolist(), a.dtype) for a in level] for level in arrays]
+    return [
+        (
+            [(a.tolist(), a.dtype) for a in (lv.qo_indptr, lv.kv_indptr, lv.kv_indices, lv.q_len, lv.kv_len)],
+            lv.max_page,
+        )
+        for lv in levels
+    ]
 
 
 @pytest.mark.parametrize("seed", range(4))
