@@ -7,6 +7,11 @@ import os
 
 import torch
 
+try:  # Triton 3.4+
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:
+    gdc_launch_dependents = gdc_wait = None
+
 LOG2E = 1.4426950408889634
 """log2(e): the kernels compute exp(x) as exp2(x * LOG2E)."""
 
@@ -25,6 +30,18 @@ def num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return _DEFAULT_NUM_SMS
+
+
+def dependent_launches(device: torch.device) -> bool:
+    """Whether kernels on ``device`` may launch with programmatic dependent launch (PDL, Hopper and
+    later, a Triton with grid dependency control): a kernel launched so may start while the one
+    before it in the stream finishes, and waits for its results in the kernel (``gdc_wait``)."""
+    return gdc_wait is not None and not interpreting() and device.type == "cuda" and _capability(device) >= 9
+
+
+@functools.cache
+def _capability(device: torch.device) -> int:
+    return torch.cuda.get_device_capability(device)[0]
 
 
 def check_runnable(*tensors: torch.Tensor) -> None:

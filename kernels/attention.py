@@ -29,7 +29,14 @@ import numpy as np
 import torch
 import triton
 import triton.language as tl
-from prefix_cache.kernels._common import LOG2E, check_runnable, interpreting, next_pow2, num_sms
+from prefix_cache.kernels._common import (
+    LOG2E,
+    check_runnable,
+    gdc_launch_dependents,
+    interpreting,
+    next_pow2,
+    num_sms,
+)
 from prefix_cache.kernels._launch import BoundKernel, CachedSpecialization, specialization
 from prefix_cache.kernels.merge_state import merge_states_varlen
 from prefix_cache.kernels.work import (
@@ -133,7 +140,12 @@ def _attention_kernel(
     UPCAST: tl.constexpr,  # compute the dots in fp32 (interpreter, fp32 inputs)
     # "ieee" for fp32 dots (no tf32 rounding); "tf32", Triton's default, has no effect on fp16/bf16.
     DOT_PRECISION: tl.constexpr,
+    # Launched before a merge with programmatic dependent launch: the merge's programs may start
+    # once every program here has (``dependent_launches``).
+    LAUNCH_DEPENDENTS: tl.constexpr,
 ):
+    if LAUNCH_DEPENDENTS:
+        gdc_launch_dependents()
     num_items = tl.load(num_work_ptr)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -221,7 +233,8 @@ class AttentionLaunch:
     """One attention launch with everything but the layer's tensors fixed when it is made (once per
     plan): the grid and the compile-time constants. Calling it reads the tensors' strides and
     launches the compiled kernel without Triton's per-call path (``BoundKernel``); no checks
-    (callers validate once per plan and per layer).
+    (callers validate once per plan and per layer). ``before_merge``: a merge launched with
+    ``after_attention`` follows it, and may start while this launch ends (``dependent_launches``).
     """
 
     def __init__(
@@ -234,6 +247,7 @@ class AttentionLaunch:
         page_size: int,
         head_dim: int,
         dtype: torch.dtype,
+        before_merge: bool = False,
     ) -> None:
         upcast = interpreting() or dtype == torch.float32
         self._kernel = BoundKernel(
@@ -243,7 +257,8 @@ class AttentionLaunch:
                 NUM_KV_HEADS=num_kv_heads, PAGE_SIZE=page_size, GROUP_SIZE=group_size,
                 TILE_Q=tile.block_m // group_size, HEAD_DIM=head_dim, BLOCK_M=tile.block_m,
                 BLOCK_N=tile.block_n, BLOCK_D=max(16, next_pow2(head_dim)), UPCAST=upcast,
-                DOT_PRECISION="ieee" if upcast else "tf32", num_warps=tile.num_warps,
+                DOT_PRECISION="ieee" if upcast else "tf32", LAUNCH_DEPENDENTS=before_merge,
+                num_warps=tile.num_warps,
                 # fp32 tiles are twice the bytes of the fp16/bf16 ones the block sizes were chosen
                 # for: no multi-stage KV buffering, so they still fit in shared memory (fp32 is for
                 # checks).

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from prefix_cache.kernels._common import check_runnable, next_pow2, num_sms
+from prefix_cache.kernels._common import check_runnable, gdc_wait, next_pow2, num_sms
 from prefix_cache.kernels._launch import BoundKernel, CachedSpecialization, specialization
 
 
@@ -22,26 +22,56 @@ def _fold_rows(
     LSE_SCALE: tl.constexpr,  # 1.0 for natural-log LSEs, ln 2 for base-2 ones
 ):  # fmt: skip
     """Fold the ``count`` partial rows ``start + i * step`` into the running (max, denominator,
-    weighted sum) of a tile of heads, one row after another."""
-    for i in range(count):
+    weighted sum) of a tile of heads. Two rows per step: both loads are in flight at once, which
+    halves the chain of dependent loads of a token with many rows (few tokens split many ways: SmolLM2
+    1.5 µs less of 33 on the H200, benchmarks/NOTES.md attempt 33; batches of hundreds of tokens as
+    before)."""
+    for i in range(0, count, 2):
         row = start + i * step
-        s = tl.load(lse_ptr + row * stride_lse_row + offs_h, mask=h_ok, other=float("-inf")).to(tl.float32)
-        s = s * LSE_SCALE
-        o = tl.load(
-            o_ptr + row * stride_o_row + offs_h[:, None] * stride_o_head + offs_d[None, :],
-            mask=hd_ok,
-            other=0.0,
-        ).to(tl.float32)
-        m_new = tl.maximum(m, s)
-        # A head with only empty segments so far keeps m = -inf; shifting by 0 avoids (-inf) - (-inf).
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_safe)
-        w = tl.exp(s - m_safe)
-        # An empty segment's output is never read into the sum, so garbage there cannot become NaN.
-        acc = acc * alpha[:, None] + tl.where(w[:, None] > 0.0, o * w[:, None], 0.0)
-        denom = denom * alpha + w
-        m = m_new
+        s0, o0 = _load_row(
+            o_ptr, lse_ptr, row, stride_o_row, stride_o_head, stride_lse_row, offs_h, offs_d, h_ok, hd_ok,
+            LSE_SCALE,
+        )  # fmt: skip
+        # The second row exists unless count is odd and this is the last step (a vector: the
+        # interpreter masks with tensors only).
+        two = (offs_h * 0 + i + 1) < count
+        s1, o1 = _load_row(
+            o_ptr, lse_ptr, row + step, stride_o_row, stride_o_head, stride_lse_row, offs_h, offs_d,
+            h_ok & two, hd_ok & two[:, None], LSE_SCALE,
+        )  # fmt: skip
+        m, denom, acc = _fold_row(m, denom, acc, s0, o0)
+        m, denom, acc = _fold_row(m, denom, acc, s1, o1)
     return m, denom, acc
+
+
+@triton.jit
+def _load_row(
+    o_ptr, lse_ptr, row, stride_o_row, stride_o_head, stride_lse_row, offs_h, offs_d, h_ok, hd_ok,
+    LSE_SCALE: tl.constexpr,
+):  # fmt: skip
+    """(lse [BLOCK_H] in natural log, out [BLOCK_H, BLOCK_D]) of one partial row, fp32; masked heads
+    read -inf and 0."""
+    s = tl.load(lse_ptr + row * stride_lse_row + offs_h, mask=h_ok, other=float("-inf")).to(tl.float32)
+    o = tl.load(
+        o_ptr + row * stride_o_row + offs_h[:, None] * stride_o_head + offs_d[None, :],
+        mask=hd_ok,
+        other=0.0,
+    ).to(tl.float32)
+    return s * LSE_SCALE, o
+
+
+@triton.jit
+def _fold_row(m, denom, acc, s, o):
+    """Fold one partial state (lse ``s``, output ``o``) into the running (max, denominator, sum)."""
+    m_new = tl.maximum(m, s)
+    # A head with only empty segments so far keeps m = -inf; shifting by 0 avoids (-inf) - (-inf).
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m - m_safe)
+    w = tl.exp(s - m_safe)
+    # An empty segment's output is never read into the sum, so garbage there cannot become NaN.
+    acc = acc * alpha[:, None] + tl.where(w[:, None] > 0.0, o * w[:, None], 0.0)
+    denom = denom * alpha + w
+    return m_new, denom, acc
 
 
 @triton.jit
@@ -76,6 +106,9 @@ def _merge_states_kernel(
     SCATTER: tl.constexpr,
     WRITE_LSE: tl.constexpr,
     EXTRA: tl.constexpr,
+    # Launched with programmatic dependent launch after the attention launch: its partial rows are
+    # read only once that launch has finished and its writes are visible.
+    WAIT_PRIOR: tl.constexpr,
 ):
     t = tl.program_id(0)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -90,6 +123,15 @@ def _merge_states_kernel(
         start = t.to(tl.int64)
         count = fixed_count
 
+    if EXTRA:
+        ext_start = tl.load(ext_ptr + t).to(tl.int64)
+        ext_step = tl.load(ext_ptr + num_tokens + t)
+        ext_count = tl.load(ext_ptr + 2 * num_tokens + t)
+    out_row = tl.load(out_rows_ptr + t).to(tl.int64) if SCATTER else t.to(tl.int64)
+    # Everything above is the plan's; the partial rows below are the attention launch's.
+    if WAIT_PRIOR:
+        gdc_wait()
+
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
@@ -98,9 +140,6 @@ def _merge_states_kernel(
         stride_lse_row, offs_h, offs_d, h_ok, hd_ok, 1.0,
     )  # fmt: skip
     if EXTRA:
-        ext_start = tl.load(ext_ptr + t).to(tl.int64)
-        ext_step = tl.load(ext_ptr + num_tokens + t)
-        ext_count = tl.load(ext_ptr + 2 * num_tokens + t)
         m, denom, acc = _fold_rows(
             m, denom, acc, ext_o_ptr, ext_lse_ptr, ext_start, ext_count, ext_step, stride_ext_row,
             stride_ext_head, stride_ext_lse_row, offs_h, offs_d, h_ok, hd_ok, 0.6931471805599453,
@@ -108,7 +147,6 @@ def _merge_states_kernel(
 
     empty = denom == 0.0
     out = acc / tl.where(empty, 1.0, denom)[:, None]
-    out_row = tl.load(out_rows_ptr + t).to(tl.int64) if SCATTER else t.to(tl.int64)
     # A negative output row is a padding token of a fixed-size (CUDA-graph) launch: nothing to write.
     keep = (offs_h * 0 + out_row) >= 0  # as a vector: the interpreter masks with tensors only
     tl.store(
@@ -168,7 +206,7 @@ def merge_states(
         o.stride(1), o.stride(2), lse.stride(1),
         out.stride(0), out.stride(1), out_lse.stride(0), 0, 0, 0,
         HEAD_DIM=d, BLOCK_H=block_h, BLOCK_D=block_d, VARLEN=False, SCATTER=False,
-        WRITE_LSE=True, EXTRA=False,
+        WRITE_LSE=True, EXTRA=False, WAIT_PRIOR=False,
     )  # fmt: skip
     return out, out_lse
 
@@ -210,6 +248,7 @@ def merge_states_varlen(
         out.stride(0), out.stride(1), lse_out.stride(0), 0, 0, 0,
         HEAD_DIM=d, BLOCK_H=block_h, BLOCK_D=block_d, VARLEN=True,
         SCATTER=out_rows is not None, WRITE_LSE=out_lse is not None, EXTRA=False,
+        WAIT_PRIOR=False,
     )  # fmt: skip
 
 
@@ -219,11 +258,21 @@ class MergeLaunch:
 
     sms: the device's SMs (the tile of heads shrinks while the grid would leave them idle). extra:
     the tokens also have states in a second pair of buffers (another kernel's output in its own
-    dtype and base-2 LSE; see ``__call__``'s ``ext``).
+    dtype and base-2 LSE; see ``__call__``'s ``ext``). after_attention: launched with programmatic
+    dependent launch (``dependent_launches``), its programs start while the attention launch before
+    it (``AttentionLaunch``'s ``before_merge``) ends and wait in the kernel for its results: on the
+    H200 that hides the merge's launch latency (benchmarks/NOTES.md, attempt 33).
     """
 
     def __init__(
-        self, num_tokens: int, num_heads: int, head_dim: int, *, sms: int, extra: bool = False
+        self,
+        num_tokens: int,
+        num_heads: int,
+        head_dim: int,
+        *,
+        sms: int,
+        extra: bool = False,
+        after_attention: bool = False,
     ) -> None:
         block_d = max(16, next_pow2(head_dim))
         block_h = _block_h(num_tokens, num_heads, block_d, sms)
@@ -233,7 +282,8 @@ class MergeLaunch:
             (num_tokens, -(-num_heads // block_h)),
             dict(
                 HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d, VARLEN=True,
-                SCATTER=True, WRITE_LSE=False, EXTRA=extra,
+                SCATTER=True, WRITE_LSE=False, EXTRA=extra, WAIT_PRIOR=after_attention,
+                launch_pdl=after_attention,
             ),
         )  # fmt: skip
         self._plan_key = CachedSpecialization()

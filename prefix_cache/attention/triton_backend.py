@@ -27,6 +27,7 @@ capacity). A plan the backend refuses writes none of the buffers a captured grap
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,7 +37,7 @@ from prefix_cache.attention.base import AttentionBackend, check_pool, reused_buf
 from prefix_cache.attention.kv_layout import flashinfer_paged
 from prefix_cache.attention.plan_image import Sections, Upload, fill_image, output_states
 from prefix_cache.cascade import CascadePlan
-from prefix_cache.kernels._common import LOG2E, interpreting, num_sms
+from prefix_cache.kernels._common import LOG2E, dependent_launches, interpreting, num_sms
 from prefix_cache.kernels.attention import AttentionLaunch
 from prefix_cache.kernels.merge_state import MergeLaunch
 from prefix_cache.kernels.work import (
@@ -187,6 +188,7 @@ class TritonBackend(AttentionBackend):
         self._bound_dtype: torch.dtype | None = None
         self._attention_launches: list[AttentionLaunch] = []
         self._merge_launch: MergeLaunch | None = None
+        self._merge_narrow: MergeLaunch | None = None  # under a capacity, after the narrow launch alone
         self._launch_key: tuple | None = None  # what the launches above were made for
         self._qk_scale = 0.0
         self._runnable = True  # False for CPU tensors outside Triton's interpreter
@@ -454,6 +456,12 @@ class TritonBackend(AttentionBackend):
         )  # fmt: skip
         if key == self._launch_key:
             return
+        # The merge after a single attention launch starts while that launch ends (programmatic
+        # dependent launch): 0.5-1 µs less per replayed decode step on the H200 (NOTES.md, attempt
+        # 33). After two launches (parallel branches in a graph) it measured up to 2 µs slower.
+        # Under a capacity the narrow launch is the one launch of a "triton-narrow" plan.
+        pdl = self._merges > 0 and dependent_launches(self.device)
+        one_launch = len(self._launches) == 1
         self._attention_launches = [
             AttentionLaunch(
                 num_programs=launch.num_programs,
@@ -463,14 +471,19 @@ class TritonBackend(AttentionBackend):
                 page_size=page_size,
                 head_dim=self.head_dim,
                 dtype=dtype,
+                before_merge=pdl and i == 0 and (one_launch or self.capacity is not None),
             )
-            for launch in self._launches
+            for i, launch in enumerate(self._launches)
         ]
-        self._merge_launch = None
+        self._merge_launch = self._merge_narrow = None
         if self._merges:
-            self._merge_launch = MergeLaunch(
-                self._merges, self.num_qo_heads, self.head_dim, sms=num_sms(self.device), extra=self._external
-            )
+            merge = functools.partial(
+                MergeLaunch, self._merges, self.num_qo_heads, self.head_dim, sms=num_sms(self.device),
+                extra=self._external,
+            )  # fmt: skip
+            self._merge_launch = merge(after_attention=pdl and one_launch)
+            if self.capacity is not None:
+                self._merge_narrow = merge(after_attention=pdl)
         self._launch_key = key
 
     def _run(self, plan, q, kv_cache, k, v, out) -> None:
@@ -524,9 +537,8 @@ class TritonBackend(AttentionBackend):
     def merge(self, out: torch.Tensor) -> None:
         """Merge the partial states into ``out``'s engine-order rows."""
         assert self._merge_launch is not None
+        launch = self._merge_narrow if self._narrow_only else self._merge_launch
         ext = None
         if self._external:
             ext = (self._shared_levels.o, self._shared_levels.lse, self._ext_rows)
-        self._merge_launch(
-            self._part_o, self._part_lse, self._starts, self._counts, out, self._merge_rows, ext
-        )
+        launch(self._part_o, self._part_lse, self._starts, self._counts, out, self._merge_rows, ext)
