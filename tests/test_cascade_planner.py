@@ -1,3 +1,4 @@
+import copy
 import dataclasses
 import itertools
 
@@ -703,3 +704,99 @@ def test_sort_and_lcp_at_a_block_boundary(position: int) -> None:
     kv, qo = np.full(n, 4 * 16), np.ones(n, dtype=np.int64)
     plan = CascadePlanner(min_shared_tokens=1, min_saved_tokens=0).plan(tables, kv, qo, 16)
     check_plan(plan, Batch(list(tables), kv, qo, 16, 2))
+
+
+# ----------------------------------------------------------------------------------------------
+# The last batch's order, kept by a planner (_LastOrder)
+
+
+def assert_identical_plans(got: CascadePlan, want: CascadePlan) -> None:
+    """Every array of both plans equal, dtypes included, orders too."""
+    assert got.page_size == want.page_size and len(got.levels) == len(want.levels)
+    pairs = [(got.request_order, want.request_order), (got.request_inverse, want.request_inverse)]
+    pairs.append((got.query_order, want.query_order))
+    for a, b in zip(got.levels, want.levels, strict=True):
+        assert a.causal == b.causal
+        pairs += [(getattr(a, name), getattr(b, name)) for name in CASCADE_ARRAYS]
+    for x, y in pairs:
+        assert x.dtype == y.dtype and x.tolist() == y.tolist()
+
+
+CASCADE_ARRAYS = ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len")
+
+
+def _rows(*rows: list[int]) -> np.ndarray:
+    return np.array(rows, dtype=np.int32)
+
+
+# (batch A, batch B): B holds A's requests in A's rows, but A's sorted order is not B's, in a way
+# that a look at each neighbour pair's last LCP column (and the one before it) does not show, so
+# only the proof over whole rows tells. Page size 1, one query token: 5 shareable pages per request.
+ORDER_CHANGES = {
+    # Request 1 moves to the front on a change at column 1, far from the columns its neighbours
+    # differed at (4): a proof compared only from the columns a block shares would miss it.
+    "an early column": (
+        _rows([9, 1, 7, 7, 10, 20], [9, 1, 7, 7, 11, 21], [9, 1, 7, 7, 12, 22]),
+        _rows([9, 1, 7, 7, 10, 20], [9, 0, 7, 7, 11, 21], [9, 1, 7, 7, 12, 22]),
+    ),
+    # 255 < 256 as integers, but their bytes (ff 00 00 00 against 00 01 00 00 little-endian) sort
+    # 256 first: B is in A's order by value, not by bytes.
+    "bytes, not values": (
+        _rows([9, 1, 7, 7, 10, 20], [9, 1, 7, 7, 11, 21], [9, 1, 7, 7, 12, 22]),
+        _rows([9, 255, 7, 7, 10, 20], [9, 256, 7, 7, 11, 21], [9, 256, 7, 7, 12, 22]),
+    ),
+    # Requests 0 and 1 become equal rows: a stable sort keeps them in engine order, A's had 1 first.
+    "equal rows": (
+        _rows([9, 1, 7, 7, 11, 20], [9, 1, 7, 7, 10, 20], [9, 1, 7, 7, 12, 22]),
+        _rows([9, 1, 7, 7, 10, 20], [9, 1, 7, 7, 10, 20], [9, 1, 7, 7, 12, 22]),
+    ),
+    # The same rows in another order (an engine that moved its requests).
+    "rows reordered": (
+        _rows([9, 1, 7, 7, 10, 20], [9, 1, 7, 7, 11, 21], [9, 3, 7, 7, 12, 22], [9, 3, 7, 7, 13, 23]),
+        _rows([9, 3, 7, 7, 13, 23], [9, 1, 7, 7, 11, 21], [9, 1, 7, 7, 10, 20], [9, 3, 7, 7, 12, 22]),
+    ),
+}
+
+
+@pytest.mark.parametrize("container", ["2-D int32", "rows int32"])
+@pytest.mark.parametrize("change", list(ORDER_CHANGES))
+@pytest.mark.parametrize("idle", [False, True])
+def test_a_planner_plans_a_changed_batch_as_a_new_planner(container: str, change: str, idle: bool) -> None:
+    """Batch A, then B whose rows A's sorted order no longer orders (ORDER_CHANGES), then B again
+    (A's order kept the first time would be wrong; B's own the second time is right) and A again:
+    each plan equals a new planner's, array for array. With ``idle``, a request without queries
+    in a last row of its own, so the kept order is mapped onto the rows of requests with queries."""
+    a, b = ORDER_CHANGES[change]
+    if idle:
+        a, b = (np.vstack([t, np.arange(50, 50 + t.shape[1], dtype=np.int32)]) for t in (a, b))
+    kv = np.full(a.shape[0], a.shape[1])
+    qo = np.ones(a.shape[0], dtype=np.int64)
+    qo[-1] = 0 if idle else 1
+
+    def pages(tables: np.ndarray) -> np.ndarray | list[np.ndarray]:
+        return tables if container == "2-D int32" else list(tables)
+
+    planner = CascadePlanner(min_shared_tokens=1, min_saved_tokens=0)
+    for tables in (a, b, b, a):
+        fresh = CascadePlanner(min_shared_tokens=1, min_saved_tokens=0).plan(pages(tables), kv, qo, 1)
+        assert_identical_plans(planner.plan(pages(tables), kv, qo, 1), fresh)
+    # The batches differ in their planned order: a planner that kept A's order would fail above.
+    new = CascadePlanner(min_shared_tokens=1, min_saved_tokens=0)
+    assert new.plan(a, kv, qo, 1).request_order.tolist() != new.plan(b, kv, qo, 1).request_order.tolist()
+
+
+def test_planners_interleaved_and_copied_plan_as_new_ones() -> None:
+    """Two planners taking turns over the batches of ORDER_CHANGES in decode steps (one token more
+    per step, a page appended every page_size steps), one of them copied (sharing what it keeps),
+    plan each step as a new planner does."""
+    first, second = CascadePlanner(), CascadePlanner(min_shared_tokens=16, min_saved_tokens=0)
+    planners = [first, second, dataclasses.replace(second), copy.copy(first)]
+    rng = np.random.default_rng(0)
+    for step in range(40):
+        a, b = ORDER_CHANGES[list(ORDER_CHANGES)[step % len(ORDER_CHANGES)]]
+        tables = (a if rng.random() < 0.5 else b).repeat(8, axis=1)  # 8 pages of 16 tokens per id
+        kv = np.full(tables.shape[0], 16 * (tables.shape[1] - 8) + step)
+        qo = rng.integers(0, 3, tables.shape[0])
+        planner = planners[step % len(planners)]
+        want = dataclasses.replace(planner).plan(tables, kv, qo, 16)  # a new planner, same settings
+        assert_identical_plans(planner.plan(tables, kv, qo, 16), want)
