@@ -7,15 +7,6 @@ own (a three-level plan). Page tables come as one 2-D int32 array, as a list of 
 engine's per-sequence block tables) or as lists of Python ints. Its samples decode in step (every
 request has the same length); the "ragged" rows give each request 1 to 8000 tokens of its own
 instead (the same tables and plan shape, other lengths), which takes the planner's general paths.
-
-The planner rows are decode steps, as an engine plans them with one planner: before each call every
-request gains a token (its KV length grows by one), and a request whose new token starts a page gets
-a fresh page id in the next entry of its row (entries past a request's pages hold 0 or stale ids);
-the sharing and the rows' order stay those of the step before, which the planner proves rather than
-sorting again. The "rows reordered" rows give the planner the same batch with its rows in another
-order at every step (the same requests, one fixed shuffle and the engine's order in turn), so the
-last step's order never holds: what the planner pays whenever a batch changes its order (a request
-replaced in its row, rows moved).
 The backends plan for Llama-3-8B's
 heads (32 / 8, head_dim 128, bf16 given at plan time) on CPU tensors: the exact-size Triton backend
 and one with a ``GraphCapacity``; their upload is a CPU copy here, where a GPU engine pays an
@@ -46,7 +37,6 @@ import torch
 from prefix_cache import CascadePlanner
 from prefix_cache.attention import create_backend
 from prefix_cache.attention.triton_backend import GraphCapacity
-from prefix_cache.cascade import CascadePlan
 
 RESULTS = Path(__file__).resolve().parent / "results" / "planner.md"
 
@@ -66,46 +56,12 @@ def ragged_kv_lens() -> np.ndarray:
     return 1500 * 16 + np.random.default_rng(0).integers(1, 500 * 16 + 1, 256)
 
 
-class DecodeSteps:
-    """A batch planned step after step: ``step`` adds one token to every request, and writes a fresh
-    page id where a request's new token starts a page. The rows, as a 2-D int32 array (``tables``,
-    with room for ``steps`` more tokens), its rows (``rows``) or lists of Python ints (``lists``),
-    all hold the same page ids; ``reorder``: at every other step the rows come in this order
-    (``current``)."""
-
-    def __init__(self, tables: np.ndarray, kv: np.ndarray, steps: int, reorder: np.ndarray | None = None):
-        self.tables = np.zeros((tables.shape[0], tables.shape[1] + -(-steps // 16) + 1), dtype=np.int32)
-        self.tables[:, : tables.shape[1]] = tables
-        self.kv = kv.astype(np.int64)
-        self.rows = list(self.tables)
-        self.lists = [row.tolist() for row in self.tables]
-        self.reorder = reorder
-        self.steps = 0
-        self._next_page = int(self.tables.max()) + 1
-
-    def step(self) -> None:
-        self.kv += 1
-        self.steps += 1
-        starting = np.flatnonzero(self.kv % 16 == 1)  # the new token is a page's first
-        columns = (self.kv[starting] - 1) // 16
-        ids = np.arange(self._next_page, self._next_page + starting.shape[0], dtype=np.int32)
-        self._next_page += starting.shape[0]
-        self.tables[starting, columns] = ids
-        for request, column, page in zip(starting.tolist(), columns.tolist(), ids.tolist(), strict=True):
-            self.lists[request][column] = page
-
-    def current(self) -> tuple[np.ndarray, np.ndarray]:
-        """(tables, kv_lens) of this step, in the step's row order."""
-        if self.reorder is None or self.steps % 2 == 0:
-            return self.tables, self.kv
-        return self.tables[self.reorder], self.kv[self.reorder]
-
-
 def time_plans(repeats: int) -> list[tuple[str, float, float, int]]:
     """Per row: (name, best ms, median ms, levels)."""
     tables, kv, qo = large_batch()
     ragged = ragged_kv_lens()
-    plan = CascadePlanner().plan(tables, kv, qo, 16)
+    planner = CascadePlanner()
+    plan = planner.plan(tables, kv, qo, 16)
     heads = dict(
         num_qo_heads=32, num_kv_heads=8, head_dim=128, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16
     )
@@ -114,43 +70,28 @@ def time_plans(repeats: int) -> list[tuple[str, float, float, int]]:
     fixed = create_backend(
         "triton", device="cpu", capacity=GraphCapacity(max_query_tokens=256, max_pages=pages, max_levels=4)
     )
-    shuffle = np.random.default_rng(1).permutation(tables.shape[0])
-    steps = repeats + 5
-
-    def plan_2d(planner: CascadePlanner, batch: DecodeSteps) -> CascadePlan:
-        return planner.plan(*batch.current(), qo, 16)
-
-    def in_all(planner: CascadePlanner, batch: DecodeSteps) -> None:
-        exact.plan(plan_2d(planner, batch), **heads)
-
-    # Per row: the KV lengths of its first step (None: the same plan every call), the row order of
-    # every other step, and the call, given a planner and the batch's steps.
+    lists = [row.tolist() for row in tables]
     calls = {
-        "planner, 2-D int32 array": (kv, None, plan_2d),
-        "planner, list of 1-D int32 arrays": (kv, None, lambda p, s: p.plan(s.rows, s.kv, qo, 16)),
-        "planner, lists of Python ints": (
-            kv, None, lambda p, s: p.plan(s.lists, s.kv.tolist(), qo.tolist(), 16)
+        "planner, 2-D int32 array": lambda: planner.plan(tables, kv, qo, 16),
+        "planner, list of 1-D int32 arrays": lambda: planner.plan(list(tables), kv, qo, 16),
+        "planner, lists of Python ints": lambda: planner.plan(lists, kv.tolist(), qo.tolist(), 16),
+        "triton backend plan": lambda: exact.plan(plan, **heads),
+        "triton backend plan, GraphCapacity": lambda: fixed.plan(plan, **heads),
+        "in all: planner (2-D) + triton backend plan": lambda: exact.plan(
+            planner.plan(tables, kv, qo, 16), **heads
         ),
-        "triton backend plan": (None, None, lambda p, s: exact.plan(plan, **heads)),
-        "triton backend plan, GraphCapacity": (None, None, lambda p, s: fixed.plan(plan, **heads)),
-        "in all: planner (2-D) + triton backend plan": (kv, None, in_all),
-        "planner, 2-D int32 array, ragged lengths": (ragged, None, plan_2d),
-        "in all, ragged lengths": (ragged, None, in_all),
-        "planner, 2-D int32 array, rows reordered": (kv, shuffle, plan_2d),
-        "in all, rows reordered": (kv, shuffle, in_all),
-    }  # fmt: skip
+        "planner, 2-D int32 array, ragged lengths": lambda: planner.plan(tables, ragged, qo, 16),
+        "in all, ragged lengths": lambda: exact.plan(planner.plan(tables, ragged, qo, 16), **heads),
+    }
     rows = []
-    for name, (lens, reorder, call) in calls.items():
-        planner = CascadePlanner()  # one per engine
-        batch = None if lens is None else DecodeSteps(tables, lens, steps, reorder)
+    for name, call in calls.items():
+        for _ in range(5):  # warm-up
+            call()
         times = []
-        for i in range(steps):  # 5 warm-up calls, then the timed ones
-            if batch is not None:
-                batch.step()
+        for _ in range(repeats):
             start = time.perf_counter()
-            call(planner, batch)
-            if i >= 5:
-                times.append((time.perf_counter() - start) * 1e3)
+            call()
+            times.append((time.perf_counter() - start) * 1e3)
         rows.append((name, min(times), statistics.median(times), len(plan.levels)))
     return rows
 
@@ -188,8 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         f"- versions: Python {platform.python_version()}, numpy {np.__version__}, torch {torch.__version__}",
         f"- command: `{shlex.join(['python', *sys.argv])}`",
         "",
-        f"Wall-clock ms per call, {args.repeats} calls per row after 5 warm-up calls; planner rows are "
-        "decode steps (one token more per request and call).",
+        f"Wall-clock ms per call, {args.repeats} calls per row after 5 warm-up calls.",
         "",
         "| call | best ms | median ms | levels |",
         "|---|---:|---:|---:|",

@@ -37,44 +37,6 @@ def _packaged_cost_model() -> CostModel:
     return default_cost_model()
 
 
-class _Candidate(NamedTuple):
-    """A sort order to try on a batch: request ids (int64, distinct, below the batch's size) and the
-    neighbour LCPs they had in the batch they were sorted for (``_sort_and_lcp``)."""
-
-    order: np.ndarray
-    lcp: np.ndarray
-
-
-class _LastOrder:
-    """What a ``CascadePlanner`` keeps between plans: its last batch's size and the order its sort
-    gave that batch's requests with queries, with their neighbour LCPs (a ``_Candidate``; None
-    before the first plan).
-
-    Only ever a candidate: the next plan of a batch of the same size takes the order where it holds
-    exactly that batch's requests with queries and their rows are proved to be in it, the order a
-    sort would give (``_stable_order``); otherwise it sorts as without it. So no plan differs from a
-    new planner's, whatever batch came before. The pair is replaced whole per plan, so planners that
-    share it (copies) or plan from several threads give the same plans too, only sorting more often."""
-
-    __slots__ = ("last",)
-
-    def __init__(self) -> None:
-        self.last: tuple[int, _Candidate] | None = None
-
-    def candidate(self, batch: int) -> _Candidate | None:
-        """The last order (a copy: a plan may hand it out), if the last batch had ``batch`` requests
-        (its ids are then below ``batch``)."""
-        last = self.last
-        if last is None or last[0] != batch:
-            return None
-        return _Candidate(last[1].order.copy(), last[1].lcp)
-
-    def keep(self, batch: int, order: np.ndarray, lcp: np.ndarray) -> None:
-        """Remember ``order`` and ``lcp`` for the next batch (copies: a plan hands ``order`` out as
-        ``query_order``, which a caller may write)."""
-        self.last = (batch, _Candidate(order.copy(), lcp.copy()))
-
-
 class _Node(NamedTuple):
     """A kept shared node: planned positions ``lo:hi`` read pages ``start:end`` of their tables."""
 
@@ -105,18 +67,12 @@ class CascadePlanner:
 
     A node that is not kept is folded: its pages go to its kept descendants' segments, or to the
     unique level.
-
-    A planner remembers the order it sorted its last batch's requests in (``_LastOrder``): an engine
-    plans its decode steps with one planner, steps repeat the batch, and proving that order still
-    holds costs less than sorting again (``_stable_order``). A batch that changed sorts as a new
-    planner would; plans never depend on what was planned before.
     """
 
     min_shared_tokens: int | None = None
     min_saved_tokens: int | None = None
     max_levels: int = 4
     cost_model: CostModel | None = field(default_factory=lambda: _packaged_cost_model())
-    _last_order: _LastOrder = field(default_factory=_LastOrder, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.min_shared_tokens is not None and self.min_shared_tokens < 1:
@@ -155,10 +111,7 @@ class CascadePlanner:
         # Whole pages of KV computed before this step: the most a request can share.
         shareable = (kv - qo) // page_size * active
 
-        whole_rows = _whole_rows(block_tables, pages)
-        previous = self._last_order.candidate(batch)
-        order, lcp = _sort_and_lcp(pages, shareable, active, whole_rows, previous)
-        self._last_order.keep(batch, order[: int(np.count_nonzero(active))], lcp)
+        order, lcp = _sort_and_lcp(pages, shareable, active, _whole_rows(block_tables, pages))
         min_shared = _MIN_SHARED_TOKENS if self.min_shared_tokens is None else self.min_shared_tokens
         min_saved = _MIN_SAVED_TOKENS if self.min_saved_tokens is None else self.min_saved_tokens
         lcp_bytes = lcp.astype(np.int64, copy=False).tobytes()
@@ -315,11 +268,7 @@ def _whole_rows(block_tables: object, pages: Pages) -> np.ndarray | None:
 
 
 def _sort_and_lcp(
-    pages: Pages,
-    shareable: np.ndarray,
-    active: np.ndarray,
-    whole_rows: np.ndarray | None = None,
-    previous: _Candidate | None = None,
+    pages: Pages, shareable: np.ndarray, active: np.ndarray, whole_rows: np.ndarray | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """(order, lcp). order: planned order, requests with queries sorted so that requests sharing a
     prefix are contiguous (the DFS order of the trie), requests without queries last. lcp[i]: pages
@@ -334,23 +283,18 @@ def _sort_and_lcp(
     then contiguous. Otherwise key rows: each request's first ``width + 1`` page ids (``width``: the
     most shareable pages of any request; a request with queries has more pages than it can share)
     with a -1, which no page id is, in the column after its shareable pages. Either way the entries
-    after a request's shareable pages order the requests that share all of them.
-
-    previous: a candidate order of the requests with queries (the last batch's, ``_LastOrder``), or
-    None. Where it holds exactly the requests with queries and their rows are in its order, it is
-    the sort's result and no sort runs (``_stable_order``); otherwise it is ignored."""
+    after a request's shareable pages order the requests that share all of them."""
     inactive = np.flatnonzero(~active)
     width = int(shareable.max(initial=0))
     if active.shape[0] - inactive.shape[0] < 2 or width == 0:
         ids = np.flatnonzero(active)
         return np.concatenate([ids, inactive]), np.zeros(max(ids.size - 1, 0), dtype=np.int64)
-    if previous is not None and (
-        previous.order.shape[0] != active.shape[0] - inactive.shape[0] or not active[previous.order].all()
-    ):
-        previous = None  # another batch: its order holds other requests
     if whole_rows is not None:
-        perm, first = _stable_order(whole_rows, active if inactive.size else None, previous, width)
+        perm = np.argsort(_void_rows(whole_rows), kind="stable")
+        if inactive.size:
+            perm = perm[active[perm]]
         share = shareable[perm]
+        first = _first_differences(whole_rows, perm, width)
         low = np.minimum(share[:-1], share[1:])
         if not ((first > low) & (share[:-1] != share[1:])).any():
             return (np.concatenate([perm, inactive]) if inactive.size else perm), np.minimum(first, low)
@@ -367,79 +311,10 @@ def _sort_and_lcp(
         for start, i, n in zip(range(0, flat.shape[0], width + 1), ids.tolist(), share.tolist(), strict=True):
             flat[start : start + n] = pages[i][:n]
     rows[np.arange(ids.shape[0]), share] = -1
-    if previous is not None and inactive.size:
-        previous = previous._replace(order=np.cumsum(active)[previous.order] - 1)  # request -> key row
-    perm, first = _stable_order(rows, None, previous, width)
+    perm = np.argsort(_void_rows(rows), kind="stable")
+    first = _first_differences(rows, perm, width)
     share = share[perm]
     return np.concatenate([ids[perm], inactive]), np.minimum(first, np.minimum(share[:-1], share[1:]))
-
-
-def _stable_order(
-    rows: np.ndarray, keep: np.ndarray | None, previous: _Candidate | None, width: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """(perm, first): the rows where bool ``keep`` [n] is set (None: all) of C-contiguous int32
-    ``rows`` [n, columns > width] ordered by their bytes, stably (``np.argsort`` of their void items), and
-    their neighbours' ``_first_differences`` below ``width``.
-
-    previous: the same rows (distinct) in a candidate order, or None. An engine's decode steps repeat
-    a batch (the same requests in the same rows, pages appended past what they share), so the last
-    step's order is usually still the sort's; proving it costs a compare of its neighbours from their
-    first column (~150 us at 256 x 2000 pages, rows read once) against the sort plus the compare
-    from the columns each block of them shares (~210 us). A look at two columns per neighbour pair
-    first (``_looks_in_order``) skips the proof where the batch plainly changed; where the proof
-    fails, the rows are sorted as without a candidate."""
-    if previous is not None and _looks_in_order(rows, previous, width):
-        first = _first_differences(rows, previous.order, width, in_order=False)
-        if _in_byte_order(rows, previous.order, first, width):
-            return previous.order, first
-    perm = np.argsort(_void_rows(rows), kind="stable")
-    if keep is not None:  # a stable sort of all rows orders any subset as its own stable sort
-        perm = perm[keep[perm]]
-    return perm, _first_differences(rows, perm, width)
-
-
-def _looks_in_order(rows: np.ndarray, previous: _Candidate, width: int) -> bool:
-    """Whether the neighbours of ``previous.order`` in ``rows`` still agree on the column before
-    their LCP of the last batch and are in byte order at it: what an unchanged batch of decode steps
-    shows (its rows only gain pages past what they share). Neither needed nor enough for the order
-    to hold: a rows-reordered or replaced batch mostly fails it, at a few µs instead of the proof's
-    ~150 µs. (Columns up to ``width``: the last batch's rows may have been longer.)"""
-    a, b = previous.order[:-1], previous.order[1:]
-    at = np.minimum(previous.lcp, width)
-    before = np.maximum(at - 1, 0)
-    if not ((rows[a, before] == rows[b, before]) | (at == 0)).all():
-        return False
-    return not _bytes_less(rows[b, at], rows[a, at]).any()
-
-
-def _in_byte_order(rows: np.ndarray, perm: np.ndarray, first: np.ndarray, width: int) -> bool:
-    """Whether rows ``perm`` (distinct) of int32 ``rows`` are in the order ``np.argsort`` of their void
-    items gives, stably: each neighbour pair either differs and the first differing element's
-    bytes (native order, compared as a big-endian unsigned number, as memcmp compares them) are
-    smaller in the first row, or the rows are equal and the first row comes first in ``rows``.
-    ``first``: the pairs' exact first differences below ``width`` (``_first_differences`` with
-    ``in_order=False``); a pair without one is compared from column ``width`` on."""
-    a, b = perm[:-1], perm[1:]
-    cut = first < width
-    columns = first[cut]
-    if not _bytes_less(rows[a[cut], columns], rows[b[cut], columns]).all():
-        return False
-    if cut.all():
-        return True
-    a, b = a[~cut], b[~cut]
-    tail_a, tail_b = rows[a, width:], rows[b, width:]
-    differ = tail_a != tail_b
-    where = differ.argmax(axis=1)
-    at = np.arange(where.shape[0])
-    less = _bytes_less(tail_a[at, where], tail_b[at, where])
-    return bool(np.where(differ[at, where], less, a < b).all())
-
-
-def _bytes_less(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Per element, whether int32 ``x``'s bytes (native order) come before ``y``'s, as memcmp orders
-    them: both read as big-endian unsigned numbers."""
-    big_endian = np.dtype(">u4")
-    return np.ascontiguousarray(x).view(big_endian) < np.ascontiguousarray(y).view(big_endian)
 
 
 def _void_rows(rows: np.ndarray) -> np.ndarray:
@@ -447,24 +322,19 @@ def _void_rows(rows: np.ndarray) -> np.ndarray:
     return rows.view(np.dtype((np.void, rows.itemsize * rows.shape[1]))).ravel()
 
 
-def _first_differences(rows: np.ndarray, perm: np.ndarray, width: int, in_order: bool = True) -> np.ndarray:
+def _first_differences(rows: np.ndarray, perm: np.ndarray, width: int) -> np.ndarray:
     """first[i]: the first column below ``width`` where rows ``perm[i]`` and ``perm[i + 1]`` differ,
-    ``width`` where they agree on all of those.
+    ``width`` where they agree on all of those; ``perm`` orders the rows by their bytes.
 
-    A block of ordered rows at a time, so that no ordered copy of every row is made. in_order: ``perm``
-    orders the rows by their bytes; the rows ordered between two rows then share the common prefix
-    of those two: a block's first and last rows give leading columns that all its rows share, and
-    only the columns after them are compared. False: any order, every column compared."""
+    A block of sorted rows at a time, so that no sorted copy of every row is made. The rows sorted
+    between two rows share the common prefix of those two: a block's first and last rows give
+    leading columns that all its rows share, and only the columns after them are compared."""
     starts = np.arange(0, perm.shape[0] - 1, _LCP_BLOCK)
-    if in_order:
-        ends = np.minimum(starts + _LCP_BLOCK, perm.shape[0] - 1)
-        outer = rows[perm[starts], : width + 1] != rows[perm[ends], : width + 1]
-        outer[:, width] = True
-        shared_columns = outer.argmax(axis=1).tolist()
-    else:
-        shared_columns = [0] * starts.shape[0]
+    ends = np.minimum(starts + _LCP_BLOCK, perm.shape[0] - 1)
+    outer = rows[perm[starts], : width + 1] != rows[perm[ends], : width + 1]
+    outer[:, width] = True
     first = np.empty(perm.shape[0] - 1, dtype=np.int64)
-    for lo, shared in zip(starts.tolist(), shared_columns, strict=True):
+    for lo, shared in zip(starts.tolist(), outer.argmax(axis=1).tolist(), strict=True):
         block = rows[perm[lo : lo + _LCP_BLOCK + 1], shared : width + 1]
         differ = block[1:] != block[:-1]
         differ[:, -1] = True
