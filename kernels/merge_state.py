@@ -260,8 +260,9 @@ class MergeLaunch:
     the tokens also have states in a second pair of buffers (another kernel's output in its own
     dtype and base-2 LSE; see ``__call__``'s ``ext``). after_attention: launched with programmatic
     dependent launch (``dependent_launches``), its programs start while the attention launch before
-    it (``AttentionLaunch``'s ``before_merge``) ends and wait in the kernel for its results: on the
-    H200 that hides the merge's launch latency (benchmarks/NOTES.md, attempt 33).
+    it (``AttentionLaunch``'s ``before_merge``) ends and wait in the kernel for its results (they
+    read the plan's tables before the wait): part of the gap between the two launches is hidden
+    (benchmarks/NOTES.md, attempt 33).
     """
 
     def __init__(

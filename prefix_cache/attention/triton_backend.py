@@ -457,9 +457,10 @@ class TritonBackend(AttentionBackend):
         if key == self._launch_key:
             return
         # The merge after a single attention launch starts while that launch ends (programmatic
-        # dependent launch): 0.5-1 µs less per replayed decode step on the H200 (NOTES.md, attempt
-        # 33). After two launches (parallel branches in a graph) it measured up to 2 µs slower.
-        # Under a capacity the narrow launch is the one launch of a "triton-narrow" plan.
+        # dependent launch): 0.5-1.3 µs less per replayed step of small decode batches on the H200,
+        # d256's exact plan 2 µs more (benchmarks/NOTES.md, attempt 33). The dependency is on the
+        # one kernel before the merge in the stream, so it is used only where that kernel is the
+        # plan's one attention launch: under a capacity the narrow launch of a "triton-narrow" plan.
         pdl = self._merges > 0 and dependent_launches(self.device)
         one_launch = len(self._launches) == 1
         self._attention_launches = [
