@@ -36,7 +36,13 @@ def dependent_launches(device: torch.device) -> bool:
     """Whether kernels on ``device`` may launch with programmatic dependent launch (PDL, Hopper and
     later, a Triton with grid dependency control): a kernel launched so may start while the one
     before it in the stream finishes, and waits for its results in the kernel (``gdc_wait``)."""
-    return gdc_wait is not None and not interpreting() and device.type == "cuda" and _capability(device) >= 9
+    return (
+        gdc_wait is not None
+        and not interpreting()
+        and device.type == "cuda"
+        and torch.version.hip is None  # ROCm reports "cuda" devices too; PDL is NVIDIA's
+        and _capability(device) >= 9
+    )
 
 
 @functools.cache

@@ -284,7 +284,8 @@ class MergeLaunch:
             dict(
                 HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d, VARLEN=True,
                 SCATTER=True, WRITE_LSE=False, EXTRA=extra, WAIT_PRIOR=after_attention,
-                launch_pdl=after_attention,
+                # Only when set: a Triton before 3.4 rejects the option, even as False.
+                **({"launch_pdl": True} if after_attention else {}),
             ),
         )  # fmt: skip
         self._plan_key = CachedSpecialization()

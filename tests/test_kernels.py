@@ -317,6 +317,63 @@ def test_merge_states_varlen_scatters_and_handles_zero_counts():
         _assert_close(out[r], out_lse[r], ref_out, ref_lse, ATOL[torch.bfloat16])
 
 
+def test_merge_launch_pairs_rows_and_extra_states():
+    """The backend's merge (``MergeLaunch``, two rows per step) over tokens of 0-5 partial rows and
+    0-3 extra states (FA3's: bf16, base-2 LSE, a token's states ``step`` rows apart, interleaved
+    with another token's): every count odd and even, another token's finite row right after each
+    token's last (a fold reading one row too many would take it in), heads in several tiles with a
+    partial last one, empty segments holding NaN, a padding token (out row -1) writing nothing."""
+    from prefix_cache.kernels.merge_state import MergeLaunch
+
+    gen = torch.Generator().manual_seed(5)
+    h, d = 10, 24  # 10 heads over 8 tokens: tiles of 4 heads, the last half masked
+    counts = [0, 1, 2, 3, 4, 5, 1, 0]
+    t = len(counts)
+    starts = [sum(counts[:i]) for i in range(t)]
+    rows = sum(counts) + 1  # and a finite row past the last token's
+    o = torch.randn(rows, h, d, generator=gen)
+    lse = torch.randn(rows, h, generator=gen) * 3
+    lse[starts[3] + 1, :3] = -math.inf  # empty segments in the middle of a pair and at its start
+    lse[starts[4], 5:] = -math.inf
+    o[lse == -math.inf] = math.nan
+    # Extra states (start, step, count) per token: tokens 0 and 4 interleaved (step 2, 3 states
+    # each), token 3 step 3, token 2 one state followed by a row of nobody's.
+    ext_table = [(0, 2, 3), (0, 1, 0), (7, 1, 1), (6, 3, 2), (1, 2, 3), (0, 1, 0), (0, 1, 0), (0, 1, 0)]
+    ext_o = torch.randn(12, h, d, generator=gen).to(torch.bfloat16)
+    ext_lse = torch.randn(12, h, generator=gen) * 3  # base 2
+    ext_lse[9, :4] = -math.inf
+    ext_o[9, :4] = math.nan
+    ext_rows = torch.tensor(ext_table, dtype=torch.int32).T.contiguous()
+    out_rows = torch.tensor([5, 0, 7, 2, 1, 3, 6, -1], dtype=torch.int32)
+    out = torch.full((t + 1, h, d), math.nan, dtype=torch.bfloat16)
+    launch = MergeLaunch(t, h, d, sms=132, extra=True)
+    assert launch._kernel.grid == (t, 3)
+    to = lambda *xs: [x.to(DEVICE) for x in xs]  # noqa: E731
+    dev = to(o, lse, torch.tensor(starts, dtype=torch.int32), torch.tensor(counts, dtype=torch.int32), out,
+             out_rows, ext_o, ext_lse, ext_rows)  # fmt: skip
+    launch(*dev[:6], tuple(dev[6:]))
+    got = dev[4].cpu()
+    for tok in range(t):
+        own = lse[starts[tok] : starts[tok] + counts[tok]].double()
+        own_o = o[starts[tok] : starts[tok] + counts[tok]].double()
+        e0, step, n = ext_table[tok]
+        idx = [e0 + i * step for i in range(n)]
+        seg_lse = torch.cat([own, ext_lse[idx].double() * math.log(2)])
+        seg_o = torch.cat([own_o, ext_o[idx].double()])
+        if seg_lse.shape[0] == 0:
+            ref_out, ref_lse = torch.zeros(h, d, dtype=torch.float64), torch.full((h,), -math.inf)
+        else:
+            ref_out, ref_lse = _ref_merge(seg_o[:, None], seg_lse[:, None])
+            ref_out, ref_lse = ref_out[0], ref_lse[0]
+        if out_rows[tok] < 0:
+            continue
+        r = int(out_rows[tok])
+        assert not got[r].isnan().any()
+        scale = max(float(ref_out.abs().max()), 1e-3)
+        torch.testing.assert_close(got[r].double(), ref_out, atol=ATOL[torch.bfloat16] * scale, rtol=0)
+    assert got[4].isnan().all(), "the padding token (out row -1) must write nothing"
+
+
 # ----------------------------------------------------------------------------------------------
 # KV append
 

@@ -627,3 +627,42 @@ def test_the_cost_model_counts_the_launches_the_backend_makes(
         backend.plan(plan, num_qo_heads=32, num_kv_heads=8, head_dim=128)
     launches = sum(int(launch.num_work.item()) > 0 for launch in backend._launches)
     assert CostModel.load().features(plan).launches == launches
+
+
+def test_dependent_merge_only_right_after_the_one_attention_launch(monkeypatch) -> None:
+    """With programmatic dependent launch on (forced here: it is off in the interpreter), a run
+    launches its merge dependent (``launch_pdl`` with ``WAIT_PRIOR``) only right after the run's one
+    attention launch, which lets it start (``LAUNCH_DEPENDENTS``): an exact plan of one launch, a
+    fixed plan of key "triton-narrow". After two attention launches (an exact plan of both tiles, a
+    fixed plan of key "triton") it waits for both as any launch does. Plans alternate on one
+    backend, so the launches kept across plans and the run-time choice of the merge are checked
+    too. The launches are recorded, not run."""
+    from prefix_cache.kernels import _launch
+    from prefix_cache.kernels.attention import _attention_kernel
+    from prefix_cache.kernels.merge_state import _merge_states_kernel
+
+    launched: list = []
+    monkeypatch.setattr(triton_backend, "dependent_launches", lambda device: True)
+    monkeypatch.setattr(_launch.BoundKernel, "launch", lambda self, key, args: launched.append(self))
+    unshared = [np.arange(20 * i, 20 * i + 20) for i in range(3)]
+    decode = CascadePlanner().plan(unshared, [300, 310, 20], [1, 1, 1], 16)
+    prefill = CascadePlanner().plan(unshared, [300, 310, 20], [16, 1, 1], 16)
+    heads = dict(num_qo_heads=4, num_kv_heads=1, head_dim=16, q_dtype=torch.float32)
+    kv_cache = torch.zeros(60, 2, 16, 1, 16, device=DEVICE)
+    # 40 decodes sharing 2 pages: the shared level's 160 rows take the wide tile in an exact plan.
+    tables = [np.array([0, 1, 2 + i]) for i in range(40)]
+    shared = CascadePlanner(min_shared_tokens=16, min_saved_tokens=0).plan(tables, [40] * 40, [1] * 40, 16)
+    exact = TritonBackend(DEVICE, kv_chunk_size=64)  # splits: tokens to merge
+    fixed = TritonBackend(DEVICE, capacity=GraphCapacity(max_query_tokens=40, max_pages=100))
+    for backend, other in ((exact, shared), (fixed, prefill)):
+        for plan, attention, dependent in ((decode, 1, True), (other, 2, False), (decode, 1, True)):
+            backend.plan(plan, **heads)
+            assert backend._merges > 0
+            launched.clear()
+            backend.run(torch.zeros(plan.num_query_tokens, 4, 16, device=DEVICE), kv_cache)
+            kernels = [launch.kernel for launch in launched]
+            assert kernels == [_attention_kernel] * attention + [_merge_states_kernel], backend.graph_key
+            merge = launched[-1].constants
+            assert merge.get("launch_pdl", False) is merge["WAIT_PRIOR"] is dependent, backend.graph_key
+            if dependent:
+                assert launched[0].constants["LAUNCH_DEPENDENTS"], backend.graph_key

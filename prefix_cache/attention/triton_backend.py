@@ -8,7 +8,9 @@ launch. A query token with one partial state in all (one level's KV, unsplit) wr
 straight to its engine-order row. Every (level, split) of any other token writes a partial (out,
 lse) row into one float32 buffer, the token's rows contiguous; the merge combines them and writes
 the token's output to its engine-order row. The attention kernel reads q through the same
-permutation, so q is never copied. A plan without tokens to merge launches no merge.
+permutation, so q is never copied. A plan without tokens to merge launches no merge. On Hopper the
+merge after a plan's one attention launch is a programmatic dependent launch: its programs start
+while that launch ends and wait for its partial rows in the kernel.
 
 With a ``GraphCapacity`` the backend keeps fixed-size buffers and a fixed set of launches (a narrow
 and a wide tile, each over a fixed persistent grid, then the merge over one program per token of
@@ -484,7 +486,7 @@ class TritonBackend(AttentionBackend):
             )  # fmt: skip
             self._merge_launch = merge(after_attention=pdl and one_launch)
             if self.capacity is not None:
-                self._merge_narrow = merge(after_attention=pdl)
+                self._merge_narrow = merge(after_attention=True) if pdl else self._merge_launch
         self._launch_key = key
 
     def _run(self, plan, q, kv_cache, k, v, out) -> None:
