@@ -73,6 +73,30 @@ def test_one_level_with_splits_merges_them() -> None:
     torch.testing.assert_close(backend.run(q, kv_cache).double(), expected, atol=2e-5, rtol=2e-5)
 
 
+def test_split_tokens_merge_every_layer_and_tokens_without_kv_get_zeros() -> None:
+    """One plan run as several layers, exact and under a capacity: the split tokens are merged from
+    each run's own partial rows, and a token that no level gives KV gets out 0 (lse -inf), never
+    what ``out`` held."""
+    gen = torch.Generator().manual_seed(3)
+    # Group 1 (token 2) has no pages; groups 0 and 2 are split by the forced 8-token chunks.
+    plan = _one_level_plan([0, 2, 3, 4], [0, 10, 10, 13], np.arange(13), [4, 4, 2], np.arange(4))
+    tables, kv_lens, qo_lens = [np.arange(10), np.arange(10, 10), np.arange(10, 13)], [40, 0, 10], [2, 1, 1]
+    kv_cache = torch.randn(13, 2, 4, 1, 16, generator=gen).to(DEVICE)
+    capacity = GraphCapacity(max_query_tokens=6, max_pages=16, max_levels=2)
+    for backend in (
+        TritonBackend(DEVICE, kv_chunk_size=8),
+        TritonBackend(DEVICE, kv_chunk_size=8, capacity=capacity),
+    ):
+        backend.plan(plan, **HEADS)
+        for _ in range(3):
+            q = torch.randn(4, 2, 16, generator=gen).to(DEVICE)
+            out = torch.full_like(q, float("nan"))
+            backend.run(q, kv_cache, out=out)
+            expected = reference_attention(q, kv_cache, tables, kv_lens, qo_lens, 16**-0.5)
+            torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=2e-5)
+            assert not out[2].any()
+
+
 def test_tokens_with_one_state_skip_the_merge() -> None:
     """In a two-level plan, the tokens of the request that shares nothing have one state (the unique
     level, unsplit): they write their output directly and only the sharing requests' tokens are
