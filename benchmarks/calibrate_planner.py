@@ -110,7 +110,8 @@ def tile_rule(sms: int) -> dict:
     the decode launch (SHARED_ON_NARROW_ROWS rows; SHARED_ON_NARROW_READS KV elements, K and V of
     every KV head, here in KV tokens; one wave of programs, here per KV head), and the KV tokens per
     step of each tile from the narrowest to the widest (the split's unit)."""
-    narrow, wide = fixed_tile_configs(HEADS // KV_HEADS, HEAD_DIM, 16)
+    tiles = fixed_tile_configs(HEADS // KV_HEADS, HEAD_DIM, 16)
+    narrow, wide = tiles[0], tiles[-1]
     rows = [narrow.block_m << i for i in range((wide.block_m // narrow.block_m).bit_length())]
     return {
         "group_size": HEADS // KV_HEADS,

@@ -94,11 +94,16 @@ def _tile_config(rows: int, group_size: int, head_dim: int, page_size: int, inte
     )
 
 
-def fixed_tile_configs(group_size: int, head_dim: int, page_size: int) -> tuple[TileConfig, TileConfig]:
-    """(narrow, wide): the two tiles of a fixed-launch (CUDA-graph) schedule. Narrow fits one query
-    token of a group (decode); wide is the largest tile, for groups of many queries."""
+def fixed_tile_configs(group_size: int, head_dim: int, page_size: int) -> tuple[TileConfig, ...]:
+    """The tiles of a fixed-launch (CUDA-graph) schedule, narrowest first: the narrow tile fits one
+    query token of a group (decode), the wide one is the largest, for groups of many queries, and
+    between them, where it differs from both, the tile of half the wide one's rows, for levels whose
+    groups fill at most that. On the wide tile, half empty, 16 prefixes of 2048 x 16 decodes (64
+    rows per group) replayed 13% slower than on 64-row tiles on the H200, MHA 32/32 (32 rows) 4%
+    slower (benchmarks/NOTES.md, attempt 36)."""
     narrow, wide = tile_configs([1, 1 << 20], group_size, head_dim, page_size)
-    return narrow, wide
+    middle = tile_configs([wide.block_m // 2], group_size, head_dim, page_size)[0]
+    return tuple(dict.fromkeys((narrow, middle, wide)))
 
 
 @dataclass(frozen=True)

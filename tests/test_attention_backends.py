@@ -470,8 +470,10 @@ def test_auto_backend_runs_long_shared_levels_on_fa3(hq: int, hkv: int, d: int, 
 
 def test_graph_keys() -> None:
     """Under a capacity, one-level plans that the routing sends to FlashInfer take its decode or
-    prefill graph; every other plan, and every plan of a backend without FlashInfer, a Triton one
-    (without the wide tile's launch when no level needs it); a backend without a capacity has no key."""
+    prefill graph (a decode of one or two short requests the prefill one, of many requests Triton);
+    every other plan, and every plan of a backend without FlashInfer, a Triton one (the narrow
+    launch with the middle tile's, the wide tile's or none, as the levels need); a backend without a
+    capacity has no key."""
     pytest.importorskip("triton")
     from prefix_cache.attention.auto_backend import Routing, choose_graph_key
     from prefix_cache.attention.triton_backend import GraphCapacity
@@ -480,11 +482,27 @@ def test_graph_keys() -> None:
     unshared = [np.arange(20 * i, 20 * i + 20) for i in range(3)]
     decode = CascadePlanner().plan(unshared, [300, 310, 20], [1, 1, 1], 16)
     prefill = CascadePlanner().plan(unshared, [300, 310, 20], [16, 1, 1], 16)
+    chunk = CascadePlanner().plan(unshared, [300, 310, 20], [8, 1, 1], 16)
     assert choose_graph_key(decode, 4, routing) == "flashinfer-decode"
     assert choose_graph_key(prefill, 4, routing) == "flashinfer-prefill"
     assert choose_graph_key(prefill, 32, routing) == "flashinfer-prefill"
     assert choose_graph_key(decode, 32, routing) == "triton"  # FlashInfer's decode routing stops at 8
     assert choose_graph_key(prefill, 4, Routing(prefill_min_tokens=8, prefill_tokens=17)) == "triton"
+    # Decodes of one or two requests of at most 256 KV tokens: FlashInfer's prefill graph; of 16
+    # requests or more: Triton.
+    short = CascadePlanner().plan(unshared[:2], [256, 20], [1, 1], 16)
+    assert choose_graph_key(short, 4, routing) == "flashinfer-prefill"
+    assert choose_graph_key(short, 4, Routing(graph_fa3_decodes=1)) == "flashinfer-decode"
+    assert choose_graph_key(short, 4, Routing(graph_fa3_decode_kv=255)) == "flashinfer-decode"
+    longer = CascadePlanner().plan(unshared[:2], [257, 20], [1, 1], 16)
+    assert choose_graph_key(longer, 4, routing) == "flashinfer-decode"
+    many = [np.arange(4 * i, 4 * i + 4) for i in range(16)]
+    sixteen = CascadePlanner().plan(many, [50] * 16, [1] * 16, 16)
+    assert choose_graph_key(sixteen, 4, routing) == "triton"
+    assert choose_graph_key(sixteen, 4, Routing(graph_triton_decodes=17)) == "flashinfer-decode"
+    assert choose_graph_key(CascadePlanner().plan(many[:15], [50] * 15, [1] * 15, 16), 4, routing) == (
+        "flashinfer-decode"
+    )
     # A request without a query this step: FlashInfer's fixed batch gives each request a row.
     idle = CascadePlanner().plan(unshared, [300, 310, 20], [1, 0, 1], 16)
     assert len(idle.levels) == 1 and choose_graph_key(idle, 4, routing) == "triton"
@@ -521,8 +539,10 @@ def test_graph_keys() -> None:
         if name == "auto":
             backend._fi_module = flashinfer_stand_in  # FlashInfer is only looked for on CUDA
         for plan, key, qo_lens in ((decode, "triton-narrow", [1, 1, 1]), (prefill, "triton", [16, 1, 1]),
-                                   (decode, "triton-narrow", [1, 1, 1])):  # fmt: skip
-            # float32: never FlashInfer; decode rows fit the narrow tile, 16 queries x 4 heads the wide.
+                                   (chunk, "triton-mid", [8, 1, 1]), (decode, "triton-narrow", [1, 1, 1]),
+                                   (chunk, "triton-mid", [8, 1, 1])):  # fmt: skip
+            # float32: never FlashInfer; decode rows fit the narrow tile (16 rows in the interpreter),
+            # 8 queries x 4 heads the middle one (32), 16 queries x 4 heads the wide one (64).
             backend.plan(plan, **heads)
             assert backend.graph_key == key
             # The key's launches are the plan's whole work: the output is right.
@@ -537,12 +557,14 @@ def test_graph_keys() -> None:
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("layout", ["contiguous", "strided"])
 def test_auto_backend_graphs_replay_across_plans_of_each_key(layout: str) -> None:
-    """With a capacity, the auto backend's five launch sets (FlashInfer decode, FlashInfer prefill,
-    our Triton cascade with and without its wide tile, and on Hopper that cascade with its long shared
-    level on FA3) each replay from one CUDA graph, captured at its key's first plan, after later plans
-    of that key with other batch sizes, prefix lengths and query counts: every replay against the
-    float64 reference, the padding rows as documented, into a contiguous ``out`` and a strided one. A plan
-    over the capacity raises and leaves the backend serving plans that fit."""
+    """With a capacity, the auto backend's six launch sets (FlashInfer decode, FlashInfer prefill,
+    which also takes decodes of one or two short requests, our Triton cascade with its narrow launch
+    alone, which also takes decodes of 16 requests or more, with its middle or its wide tile, and on
+    Hopper that cascade with its long shared level on FA3) each replay from one CUDA graph, captured
+    at its key's first plan, after later plans of that key with other batch sizes, prefix lengths and
+    query counts: every replay against the float64 reference, the padding rows as documented, into a
+    contiguous ``out`` and a strided one. A plan over the capacity raises and leaves the backend
+    serving plans that fit."""
     pytest.importorskip("flashinfer")
     from prefix_cache.attention.auto_backend import Routing
     from prefix_cache.attention.flashinfer_levels import LevelRule
@@ -570,15 +592,22 @@ def test_auto_backend_graphs_replay_across_plans_of_each_key(layout: str) -> Non
             tables = [np.array([*shared, free.pop()]) for _ in range(n)]
             kv_lens = [512 + int(rng.integers(1, page_size + 1)) for _ in range(n)]
             return tables, kv_lens, [1] * n
+        if kind == "mid":  # 8480-8960 shared tokens, 5-7 decodes: 20-28 rows, too long for the narrow tile
+            shared = [free.pop() for _ in range(int(rng.integers(530, 561)))]
+            n = int(rng.integers(5, 8))
+            tables = [np.array([*shared, free.pop()]) for _ in range(n)]
+            kv_lens = [len(shared) * page_size + int(rng.integers(1, page_size + 1)) for _ in range(n)]
+            return tables, kv_lens, [1] * n
         if kind == "long":  # 1024-4096 shared tokens, 8-12 decodes: 32-48 query rows per KV head
             shared = [free.pop() for _ in range(int(rng.integers(64, 257)))]
             n = int(rng.integers(8, 13))
             tables = [np.array([*shared, free.pop()]) for _ in range(n)]
             kv_lens = [len(shared) * page_size + int(rng.integers(1, page_size + 1)) for _ in range(n)]
             return tables, kv_lens, [1] * n
-        n = int(rng.integers(1, 13)) if kind == "decode" else int(rng.integers(1, 3))
-        qo_lens = [1] * n if kind == "decode" else [int(rng.integers(16, 24)) for _ in range(n)]
-        kv_lens = [int(rng.integers(qo, 400)) for qo in qo_lens]
+        n = {"decode": (3, 16), "tiny": (1, 3), "many": (16, 25), "prefill": (1, 3)}[kind]
+        n = int(rng.integers(*n))
+        qo_lens = [int(rng.integers(16, 24)) for _ in range(n)] if kind == "prefill" else [1] * n
+        kv_lens = [int(rng.integers(qo, 257 if kind == "tiny" else 400)) for qo in qo_lens]
         tables = [np.array([free.pop() for _ in range(-(-kv // page_size))]) for kv in kv_lens]
         return tables, kv_lens, qo_lens
 
@@ -592,7 +621,10 @@ def test_auto_backend_graphs_replay_across_plans_of_each_key(layout: str) -> Non
     keys = {
         "decode": "flashinfer-decode",
         "prefill": "flashinfer-prefill",
+        "tiny": "flashinfer-prefill",
         "shared": "triton-narrow",
+        "many": "triton-narrow",
+        "mid": "triton-mid",
         "wide": "triton",
         "long": "triton+fa3" if hopper else "triton-narrow",
     }
@@ -623,7 +655,7 @@ def test_auto_backend_graphs_replay_across_plans_of_each_key(layout: str) -> Non
         torch.testing.assert_close(got, expected, atol=1.6e-2 * float(expected.abs().max()), rtol=0, msg=key)
         replayed.setdefault(key, set()).add(nq)
 
-    for kind in ["decode", "prefill", "shared", "wide", "long"] * 4:
+    for kind in ["decode", "prefill", "tiny", "shared", "many", "mid", "wide", "long"] * 3:
         step(kind)
     assert all(len(counts) >= 2 for counts in replayed.values()), replayed  # other row counts replayed
     many = [np.array([i]) for i in range(capacity.max_query_tokens + 1)]
@@ -713,25 +745,29 @@ def test_flashinfer_graph_launches_pad_every_plan(kind: str, layout: str) -> Non
 
 def test_auto_backend_graph_launches_check_the_pool() -> None:
     """The auto backend under a capacity, its FlashInfer launches on the stand-in: a one-level decode
-    takes the decode key and is right; a pool without the pages the plan reads is refused."""
+    of two short requests takes the prefill key, or the decode key when routed there, and is right;
+    a pool without the pages the plan reads is refused."""
     import flashinfer_stand_in
 
-    from prefix_cache.attention.auto_backend import AutoBackend
+    from prefix_cache.attention.auto_backend import AutoBackend, Routing
     from prefix_cache.attention.triton_backend import GraphCapacity
 
-    backend = AutoBackend("cpu", capacity=GraphCapacity(max_query_tokens=8, max_pages=64))
-    backend._fi_module = flashinfer_stand_in  # FlashInfer is only looked for on CUDA
     tables, kv_lens, qo_lens = [np.array([5, 40]), np.array([41])], [7, 3], [1, 1]
-    backend.plan(CascadePlanner().plan(tables, kv_lens, qo_lens, 4), num_qo_heads=4, num_kv_heads=2,
-                 head_dim=16, q_dtype=torch.bfloat16)  # fmt: skip
-    assert backend.graph_key == "flashinfer-decode"
     generator = torch.Generator().manual_seed(4)
     kv_cache = torch.randn(42, 2, 4, 2, 16, generator=generator).bfloat16()
     q = torch.randn(2, 4, 16, generator=generator).bfloat16()
     expected = reference_attention(q, kv_cache, tables, kv_lens, qo_lens, 0.25)
-    torch.testing.assert_close(backend.run(q, kv_cache).double(), expected, atol=1e-2, rtol=1e-2)
-    with pytest.raises(ValueError, match="references page 41, the KV cache has 41 pages"):
-        backend.run(q, kv_cache[:41])
+    routes = ((Routing(), "flashinfer-prefill"), (Routing(graph_fa3_decodes=0), "flashinfer-decode"))
+    for routing, key in routes:
+        capacity = GraphCapacity(max_query_tokens=8, max_pages=64)
+        backend = AutoBackend("cpu", capacity=capacity, routing=routing)
+        backend._fi_module = flashinfer_stand_in  # FlashInfer is only looked for on CUDA
+        backend.plan(CascadePlanner().plan(tables, kv_lens, qo_lens, 4), num_qo_heads=4, num_kv_heads=2,
+                     head_dim=16, q_dtype=torch.bfloat16)  # fmt: skip
+        assert backend.graph_key == key
+        torch.testing.assert_close(backend.run(q, kv_cache).double(), expected, atol=1e-2, rtol=1e-2)
+        with pytest.raises(ValueError, match="references page 41, the KV cache has 41 pages"):
+            backend.run(q, kv_cache[:41])
 
 
 @pytest.mark.parametrize(

@@ -854,9 +854,9 @@ def _random_batch(rng: np.random.Generator, page_size: int, num_pages: int, max_
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gpu_cuda_graph_replays_across_plans(dtype):
-    """Capture ``run`` once per ``graph_key`` (with and without the wide tile's launch), then re-plan
-    batches of other sizes, trees and depths and replay the plan's key: each replay matches the
-    float64 reference; a batch over the capacity is refused."""
+    """Capture ``run`` once per ``graph_key`` (the narrow launch alone, with the middle tile's, with
+    the wide tile's), then re-plan batches of other sizes, trees and depths and replay the plan's
+    key: each replay matches the float64 reference; a batch over the capacity is refused."""
     from attention_reference import reference_attention
 
     page_size, hq, hkv, d, num_pages, max_tokens = 16, 32, 8, 128, 6000, 96
@@ -870,8 +870,11 @@ def test_gpu_cuda_graph_replays_across_plans(dtype):
     out = torch.zeros_like(q)
     graphs: dict[str, torch.cuda.CUDAGraph] = {}
     depths, replayed = set(), {}
-    for step in range(12):
+    for step in range(14):
         tables, kv_lens, qo_lens = _random_batch(rng, page_size, num_pages, int(rng.integers(1, 11)))
+        if step >= 12:  # one prefill chunk of 40-47 tokens, 160-188 rows: the wide tile
+            tables = [rng.choice(num_pages, 8, replace=False).astype(np.int32)]
+            kv_lens, qo_lens = [int(rng.integers(113, 129))], [int(rng.integers(40, 48))]
         plan = planners[step % 4].plan(tables, kv_lens, qo_lens, page_size)
         depths.add(len(plan.levels))
         backend.plan(plan, **heads)
@@ -893,7 +896,8 @@ def test_gpu_cuda_graph_replays_across_plans(dtype):
         assert got.isfinite().all() and out[nq:].isnan().all()
         torch.testing.assert_close(got, expected, atol=tol * float(expected.abs().max()), rtol=0)
     assert len(depths) >= 3, "the steps must differ in depth"
-    assert sorted(replayed) == ["triton", "triton-narrow"] and min(replayed.values()) >= 2, replayed
+    assert sorted(replayed) == ["triton", "triton-mid", "triton-narrow"], replayed
+    assert min(replayed.values()) >= 2, replayed
     too_many = CascadePlanner().plan([[i] for i in range(max_tokens + 1)], [9] * 97, [1] * 97, page_size)
     with pytest.raises(ValueError, match="97 query tokens, over the backend's capacity"):
         backend.plan(too_many, **heads)

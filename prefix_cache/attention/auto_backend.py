@@ -20,10 +20,11 @@ FlashInfer is used only where it is importable, the device is CUDA and ``plan`` 
 With a ``GraphCapacity`` (``run`` captured in CUDA graphs and replayed across plans), a causal plan
 of one level whose requests all have KV, that the rule sends to FlashInfer, runs on FlashInfer's
 CUDA-graph prefill wrappers (``prefix_cache.attention.flashinfer_graphs``: FA2 for decode, FA3 on
-Hopper for prefill), and every other plan on the fixed-capacity Triton backend, on Hopper with its
-``LevelRule`` level on FA3's CUDA-graph mode. Those are five fixed sequences of launches
-(``"flashinfer-decode"``, ``"flashinfer-prefill"``, ``"triton"``, ``"triton-narrow"``,
-``"triton+fa3"``), one graph each:
+Hopper for prefill and for a decode of one or two short requests), except a decode of many requests
+(``Routing.graph_triton_decodes``), and every other plan on the fixed-capacity Triton backend, on
+Hopper with its ``LevelRule`` level on FA3's CUDA-graph mode. Those are six fixed sequences of
+launches (``"flashinfer-decode"``, ``"flashinfer-prefill"``, ``"triton"``, ``"triton-mid"``,
+``"triton-narrow"``, ``"triton+fa3"``), one graph each:
 ``graph_key`` names the current plan's, and a graph captured under one key replays after any later
 plan with the same key. An engine keeps a graph per (batch bucket, key).
 """
@@ -51,11 +52,22 @@ class Routing:
         FlashInfer.
     decode_max_group: one-level decode plans (one query per request) run on FlashInfer's decode
         wrapper when the GQA group (query heads per KV head) is at most this; 0 never.
+    graph_triton_decodes: under a ``GraphCapacity``, such decode plans of at least this many
+        requests stay on our Triton kernels: FlashInfer's CUDA-graph mode splits every request's KV
+        and pads its grid to the capacity (on the H200, 16 x 512, 32 x 256 and 64 x 512 decodes
+        replayed 4%, 6% and 12% faster on Triton; 8 x 256 5% slower; benchmarks/NOTES.md, attempt 36).
+    graph_fa3_decodes, graph_fa3_decode_kv: under a ``GraphCapacity``, such decode plans of at most
+        ``graph_fa3_decodes`` requests, none over ``graph_fa3_decode_kv`` KV tokens, run on
+        FlashInfer's prefill kernels (FA3 on Hopper), which do not split: 1 x 64 to 2 x 256 replayed
+        2-3.5 µs (13-26%) faster than on its split decode kernels, 1 x 1024 and 8 x 256 slower.
     """
 
     prefill_min_tokens: int = 64
     prefill_tokens: int = 512
     decode_max_group: int = 8
+    graph_triton_decodes: int = 16
+    graph_fa3_decodes: int = 2
+    graph_fa3_decode_kv: int = 256
 
 
 def choose_route(plan: CascadePlan, group_size: int, routing: Routing) -> str:
@@ -72,10 +84,11 @@ def choose_route(plan: CascadePlan, group_size: int, routing: Routing) -> str:
 
 
 def choose_graph_key(plan: CascadePlan, group_size: int, routing: Routing) -> str:
-    """The launches of ``plan`` under a ``GraphCapacity``: ``"flashinfer-decode"`` or
-    ``"flashinfer-prefill"`` for a causal one-level plan in the engine's order, every request with
-    queries and KV, that ``choose_route`` sends to FlashInfer (every request one query token, or not);
-    ``"triton"`` otherwise (the Triton backend also raises for a malformed plan)."""
+    """The launches of ``plan`` under a ``GraphCapacity``: for a causal one-level plan in the engine's
+    order, every request with queries and KV, that ``choose_route`` sends to FlashInfer,
+    ``"flashinfer-prefill"`` (some request has several query tokens, or a decode of few short
+    requests) or ``"flashinfer-decode"`` (a decode of fewer than ``graph_triton_decodes`` requests);
+    ``"triton"`` otherwise (the Triton backend also raises for a malformed plan). See ``Routing``."""
     if len(plan.levels) != 1 or choose_route(plan, group_size, routing) != "flashinfer":
         return "triton"
     level = plan.levels[0]
@@ -91,7 +104,14 @@ def choose_graph_key(plan: CascadePlan, group_size: int, routing: Routing) -> st
         or (pages < 1).any()
     ):
         return "triton"
-    return "flashinfer-decode" if bool((q_len == 1).all()) else "flashinfer-prefill"
+    if not bool((q_len == 1).all()):
+        return "flashinfer-prefill"
+    if q_len.size >= routing.graph_triton_decodes:
+        return "triton"
+    kv_tokens = (pages - 1) * plan.page_size + level.kv_last_page_len.astype(np.int64)
+    if q_len.size <= routing.graph_fa3_decodes and int(kv_tokens.max()) <= routing.graph_fa3_decode_kv:
+        return "flashinfer-prefill"
+    return "flashinfer-decode"
 
 
 class AutoBackend(AttentionBackend):

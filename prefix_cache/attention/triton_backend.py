@@ -12,14 +12,15 @@ permutation, so q is never copied. A plan without tokens to merge launches no me
 merge after a plan's one attention launch is a programmatic dependent launch: its programs start
 while that launch ends and wait for its partial rows in the kernel.
 
-With a ``GraphCapacity`` the backend keeps fixed-size buffers and a fixed set of launches (a narrow
-and a wide tile, each over a fixed persistent grid, then the merge over one program per token of
-the capacity): ``run`` can be captured in a CUDA graph once and replayed after any later ``plan``
-that fits the capacity and has the same ``graph_key``, because ``plan`` only rewrites the contents
-of the same device buffers. A plan with no work on the wide tile (decode batches whose shared levels
-are small) has the key ``"triton-narrow"`` and launches the narrow tile only; any other plan
-``"triton"``, both tiles. In a captured graph the two attention launches are parallel branches
-(``launch_levels``).
+With a ``GraphCapacity`` the backend keeps fixed-size buffers and a fixed set of launches (a narrow,
+a middle and a wide tile, each over a fixed persistent grid, then the merge over one program per
+token of the capacity): ``run`` can be captured in a CUDA graph once and replayed after any later
+``plan`` that fits the capacity and has the same ``graph_key``, because ``plan`` only rewrites the
+contents of the same device buffers. A plan runs the narrow launch and at most one other: with no
+work off the narrow tile (decode batches whose shared levels are small) it has the key
+``"triton-narrow"``; with levels that fit the middle tile and none that needs the wide one,
+``"triton-mid"``; otherwise ``"triton"`` (its levels off the narrow tile all on the wide one). In a
+captured graph the two attention launches are parallel branches (``launch_levels``).
 
 On Hopper the auto backend also gives the backend a ``SharedLevelsOnFlashInfer``
 (``flashinfer_levels``): a long shared level with many query rows then runs on FlashInfer's FA3
@@ -200,8 +201,9 @@ class TritonBackend(AttentionBackend):
         self._shared_levels = None
         self._external = False
         self._ext_rows = None
-        # Under a capacity: the current plan has no work on the wide tile, and runs without its launch.
-        self._narrow_only = False
+        # Under a capacity: the indices in _launches of the launches the current plan runs (the narrow
+        # one, and the middle or the wide one where it has work there).
+        self._fixed_run: tuple[int, ...] = (0,)
         # Captured in a CUDA graph, the second attention launch runs on this stream (see launch_levels).
         self._side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
@@ -212,14 +214,17 @@ class TritonBackend(AttentionBackend):
     def graph_key(self) -> str | None:
         """Under a capacity, the plan's fixed sequence of launches (one graph each): ``"triton+fa3"``
         when one of its shared levels runs on FlashInfer's FA3 (``_shared_levels``, set by the auto
-        backend); else ``"triton-narrow"`` when no level runs on the wide tile, ``"triton"`` when one
-        does. A graph of both tiles also replays a plan of the narrow one, whose empty wide launch
-        still costs 1-2 µs of a replayed step (benchmarks/NOTES.md, attempts 25 and 30)."""
+        backend), with the narrow and the wide launch; else ``"triton-narrow"`` when every level runs
+        on the narrow tile, ``"triton-mid"`` when the others run on the middle tile, ``"triton"`` on
+        the wide one. A graph of two launches also replays a plan of the narrow one, whose empty
+        launch still costs 1-2 µs of a replayed step (benchmarks/NOTES.md, attempts 25 and 30)."""
         if self.capacity is None:
             return None
         if self._external:
             return "triton+fa3"
-        return "triton-narrow" if self._narrow_only else "triton"
+        if len(self._fixed_run) == 1:
+            return "triton-narrow"
+        return "triton" if self._fixed_run[-1] == len(self._launches) - 1 else "triton-mid"
 
     def _prepare(self, plan: CascadePlan) -> None:
         if not plan.levels:
@@ -248,14 +253,15 @@ class TritonBackend(AttentionBackend):
         causal: list[bool],
         tiles: tuple[TileConfig, ...] | None,
         page_size: int,
+        widest: bool = False,
     ) -> list[TileConfig]:
-        """Each level's tile: the narrower of a (narrow, wide) pair that holds its largest group's
-        rows. The pair is ``tiles`` under a capacity, else the narrowest and widest of the levels' own
-        tiles (``tile_config``), so an exact plan runs at most two attention launches, as the fixed
-        pair does: a level between the two runs on the wide tile (under the fixed pair the four-level
-        batch ran 17% faster than its exact plan's three launches, the system-prompt batch 2% slower;
-        benchmarks/NOTES.md, attempt 22). A small shared level runs on the narrow tile instead, in
-        the decode tokens' launch (see ``SHARED_ON_NARROW_ROWS``)."""
+        """Each level's tile: the narrowest of ``tiles`` that holds its largest group's rows (under a
+        capacity the fixed tiles, else the narrowest and widest of the levels' own, ``tile_config``),
+        where a small shared level runs on the narrow tile instead, in the decode tokens' launch (see
+        ``SHARED_ON_NARROW_ROWS``). At most two launches: the levels off the narrow tile all run on
+        the widest tile one of them needs (on the last of ``tiles`` if ``widest``). Three launches of
+        an exact plan's own tiles ran the four-level batch 17% slower than its levels between them
+        on the wide tile, the system-prompt batch 2% faster (benchmarks/NOTES.md, attempt 22)."""
         group = self.num_qo_heads // self.num_kv_heads
         q_len, kv_len, starts = end_to_end(levels)
         q_with_kv = q_len * (kv_len > 0)
@@ -279,15 +285,19 @@ class TritonBackend(AttentionBackend):
             if tile != narrow and small and programs + extra <= slots:
                 tile, programs = narrow, programs + extra
             chosen.append(tile)
-        return chosen
+        others = [tile for tile in chosen if tile != narrow]
+        if not others:
+            return chosen
+        second = tiles[-1] if widest else max(others, key=lambda tile: tile.block_m)
+        return [tile if tile == narrow else second for tile in chosen]
 
-    def _schedule(self, plan, levels, causal, tiles, kv_chunk_size, max_splits=MAX_SPLITS):
+    def _schedule(self, plan, levels, causal, tiles, kv_chunk_size, max_splits=MAX_SPLITS, widest=False):
         """Work items of ``levels`` (``causal`` per level), one list per tile, longest first: (tiles,
         [work per tile], splits [levels, nq]). ``tiles`` None: the plan's own pair (``_level_tiles``),
-        the launches narrowest first; else the fixed (narrow, wide) pair, both listed (with no items
-        if no level uses one)."""
+        the launches narrowest first; else the fixed tiles, all listed (with no items if no level
+        uses one). ``widest``: see ``_level_tiles``."""
         group = self.num_qo_heads // self.num_kv_heads
-        level_tiles = self._level_tiles(levels, causal, tiles, plan.page_size)
+        level_tiles = self._level_tiles(levels, causal, tiles, plan.page_size, widest)
         # Narrow launches (the unique level's decode) before wide ones (shared prefixes), as the
         # fixed pair runs: an H200 sweep measured 5-15% less GPU time on several shared batches and no
         # batch slower (benchmarks/NOTES.md, attempt 16).
@@ -382,7 +392,10 @@ class TritonBackend(AttentionBackend):
         tiles = fixed_tile_configs(group, self.head_dim, plan.page_size)
         # Splits that do not fit the fixed buffers are cut down, not dropped: fewer, longer splits.
         for max_splits in (MAX_SPLITS, 16, 8, 4, 2, 1):
-            _, works, splits = self._schedule(plan, levels, causal, tiles, self.kv_chunk_size, max_splits)
+            # The FA3 level's graph keeps the narrow and the wide launch.
+            _, works, splits = self._schedule(
+                plan, levels, causal, tiles, self.kv_chunk_size, max_splits, widest=ext is not None
+            )
             items = [w.shape[0] for w in works]
             rows_per_token = splits.sum(axis=0)
             rows = int(rows_per_token.sum() - np.count_nonzero(output_states(rows_per_token, ext)))
@@ -394,7 +407,10 @@ class TritonBackend(AttentionBackend):
                 f"capacity of {cap.work_items} and {cap.partial_rows}"
             )
         self._commit_external(ext)
-        self._narrow_only = ext is None and works[1].shape[0] == 0
+        if ext is not None:
+            self._fixed_run = (0, len(tiles) - 1)
+        else:
+            self._fixed_run = (0, *(i for i in range(1, len(tiles)) if works[i].shape[0]))
         sec = Sections([cap.work_items] * len(tiles), cap.max_pages, cap.max_levels, cap.max_query_tokens)
         if self._fixed_shape is None:
             self._ints = torch.zeros(sec.size, dtype=torch.int32, device=self.device)
@@ -517,8 +533,8 @@ class TritonBackend(AttentionBackend):
         attempt 25). Eager runs stay on one stream: the switch cost 13-89 µs of host time per run there.
         """
         launches = list(zip(self._launches, self._attention_launches, strict=True))
-        if self._narrow_only:
-            launches = launches[:1]
+        if self.capacity is not None:
+            launches = [launches[i] for i in self._fixed_run]
         side = None
         if self._side_stream is not None and len(launches) > 1 and torch.cuda.is_current_stream_capturing():
             side = self._side_stream
@@ -540,7 +556,8 @@ class TritonBackend(AttentionBackend):
     def merge(self, out: torch.Tensor) -> None:
         """Merge the partial states into ``out``'s engine-order rows."""
         assert self._merge_launch is not None
-        launch = self._merge_narrow if self._narrow_only else self._merge_launch
+        narrow_only = self.capacity is not None and len(self._fixed_run) == 1
+        launch = self._merge_narrow if narrow_only else self._merge_launch
         ext = None
         if self._external:
             ext = (self._shared_levels.o, self._shared_levels.lse, self._ext_rows)
