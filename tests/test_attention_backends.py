@@ -481,13 +481,13 @@ def test_graph_keys() -> None:
     routing = Routing(prefill_min_tokens=8, prefill_tokens=16)
     unshared = [np.arange(20 * i, 20 * i + 20) for i in range(3)]
     decode = CascadePlanner().plan(unshared, [300, 310, 20], [1, 1, 1], 16)
-    prefill = CascadePlanner().plan(unshared, [300, 310, 20], [16, 1, 1], 16)
+    prefill = CascadePlanner().plan(unshared, [300, 310, 20], [32, 1, 1], 16)
     chunk = CascadePlanner().plan(unshared, [300, 310, 20], [8, 1, 1], 16)
     assert choose_graph_key(decode, 4, routing) == "flashinfer-decode"
     assert choose_graph_key(prefill, 4, routing) == "flashinfer-prefill"
     assert choose_graph_key(prefill, 32, routing) == "flashinfer-prefill"
     assert choose_graph_key(decode, 32, routing) == "triton"  # FlashInfer's decode routing stops at 8
-    assert choose_graph_key(prefill, 4, Routing(prefill_min_tokens=8, prefill_tokens=17)) == "triton"
+    assert choose_graph_key(prefill, 4, Routing(prefill_min_tokens=8, prefill_tokens=33)) == "triton"
     # Decodes of one or two requests of at most 256 KV tokens: FlashInfer's prefill graph; of 16
     # requests or more: Triton.
     short = CascadePlanner().plan(unshared[:2], [256, 20], [1, 1], 16)
@@ -523,12 +523,12 @@ def test_graph_keys() -> None:
     for broken in (no_kv, dataclasses.replace(level, causal=False)):
         assert choose_graph_key(dataclasses.replace(decode, levels=(broken,)), 4, routing) == "triton"
     (chunks,) = prefill.levels
-    more_rows = dataclasses.replace(chunks, qo_indptr=np.array([0, 16, 17, 19], dtype=np.int32))
+    more_rows = dataclasses.replace(chunks, qo_indptr=np.array([0, 32, 33, 35], dtype=np.int32))
     assert choose_graph_key(dataclasses.replace(prefill, levels=(more_rows,)), 4, routing) == "triton"
 
     device = SWEEPS["triton"].device
     heads = dict(num_qo_heads=4, num_kv_heads=1, head_dim=16, q_dtype=torch.float32)
-    capacity = GraphCapacity(max_query_tokens=24, max_pages=100)
+    capacity = GraphCapacity(max_query_tokens=40, max_pages=100)
     generator = torch.Generator().manual_seed(3)
     kv_cache = torch.randn(60, 2, 16, 1, 16, generator=generator).to(device)
     import flashinfer_stand_in
@@ -538,11 +538,11 @@ def test_graph_keys() -> None:
         backend = create_backend(name, device=device, capacity=capacity)
         if name == "auto":
             backend._fi_module = flashinfer_stand_in  # FlashInfer is only looked for on CUDA
-        for plan, key, qo_lens in ((decode, "triton-narrow", [1, 1, 1]), (prefill, "triton", [16, 1, 1]),
+        for plan, key, qo_lens in ((decode, "triton-narrow", [1, 1, 1]), (prefill, "triton", [32, 1, 1]),
                                    (chunk, "triton-mid", [8, 1, 1]), (decode, "triton-narrow", [1, 1, 1]),
                                    (chunk, "triton-mid", [8, 1, 1])):  # fmt: skip
-            # float32: never FlashInfer; decode rows fit the narrow tile (16 rows in the interpreter),
-            # 8 queries x 4 heads the middle one (32), 16 queries x 4 heads the wide one (64).
+            # float32: never FlashInfer; decode rows fit the narrow tile (16 rows), 8 queries x 4 heads
+            # the middle one (32 rows in the interpreter, 64 on a GPU), 32 x 4 the wide one (64, 128).
             backend.plan(plan, **heads)
             assert backend.graph_key == key
             # The key's launches are the plan's whole work: the output is right.

@@ -54,8 +54,9 @@ class Routing:
         wrapper when the GQA group (query heads per KV head) is at most this; 0 never.
     graph_triton_decodes: under a ``GraphCapacity``, such decode plans of at least this many
         requests stay on our Triton kernels: FlashInfer's CUDA-graph mode splits every request's KV
-        and pads its grid to the capacity (on the H200, 16 x 512, 32 x 256 and 64 x 512 decodes
-        replayed 4%, 6% and 12% faster on Triton; 8 x 256 5% slower; benchmarks/NOTES.md, attempt 36).
+        and pads its grid to the capacity (on the H200, decodes of 16-512 requests replayed 0-13%
+        faster on Triton, 512 x 2048 tokens 0.7% slower, 8 x 256 5% slower; benchmarks/NOTES.md,
+        attempt 36).
     graph_fa3_decodes, graph_fa3_decode_kv: under a ``GraphCapacity``, such decode plans of at most
         ``graph_fa3_decodes`` requests, none over ``graph_fa3_decode_kv`` KV tokens, run on
         FlashInfer's prefill kernels (FA3 on Hopper), which do not split: 1 x 64 to 2 x 256 replayed
