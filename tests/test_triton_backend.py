@@ -171,11 +171,13 @@ def test_an_exact_plan_launches_its_narrowest_tile_first() -> None:
     torch.testing.assert_close(backend.run(q, kv_cache).double(), expected, atol=2e-5, rtol=2e-5)
 
 
-def test_an_exact_plan_runs_at_most_two_attention_launches(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("fixed", [False, True])
+def test_a_plan_runs_at_most_two_attention_launches(fixed: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Three levels of three tile widths (a root shared by 40 requests; two branches of 12 requests
     each, the other 16 requests a group without branch KV; a page of each one's own) run in two
-    launches: the branches on the root's wide tile, as the fixed pair runs them; the output is the
-    reference's."""
+    launches, the branches on the root's wide tile: an exact plan on its own narrowest and widest
+    tiles, a fixed-capacity one on its narrow and wide launches (its middle launch, which the
+    branches fit, left out: key "triton"); the output is the reference's."""
     monkeypatch.setattr(triton_backend, "SHARED_ON_NARROW_READS", 0)  # keep the branches off the narrow tile
     gen = torch.Generator().manual_seed(4)
     requests = 40
@@ -186,13 +188,19 @@ def test_an_exact_plan_runs_at_most_two_attention_launches(monkeypatch: pytest.M
     planner = CascadePlanner(min_shared_tokens=1, min_saved_tokens=1, cost_model=None)
     plan = planner.plan(tables, kv_lens, qo_lens, 4)
     assert len(plan.levels) == 3, "the batch needs a root, a branch and a unique level"
-    backend = TritonBackend(device=DEVICE)
+    capacity = GraphCapacity(max_query_tokens=requests, max_pages=100, max_levels=3) if fixed else None
+    backend = TritonBackend(device=DEVICE, capacity=capacity)
     backend.plan(plan, **HEADS)
     group = HEADS["num_qo_heads"] // HEADS["num_kv_heads"]
     rows = [level.max_rows_per_group * group for level in triton_backend.checked_levels(plan)]
     own = {work.tile_config(r, group, HEADS["head_dim"], 4).block_m for r in rows}
     assert len(own) == 3, f"the levels' own tiles must differ, got {own}"
-    assert sorted(launch.tile.block_m for launch in backend._launches) == [min(own), max(own)]
+    if fixed:
+        fixed_tiles = work.fixed_tile_configs(group, HEADS["head_dim"], 4)
+        assert sorted(tile.block_m for tile in fixed_tiles) == sorted(own)
+        assert backend.graph_key == "triton"
+    used = [launch.tile.block_m for launch in backend._launches if int(launch.num_work.item()) > 0]
+    assert used == [min(own), max(own)]
     kv_cache = torch.randn(16 + requests, 2, 4, 1, 16, generator=gen).to(DEVICE)
     q = torch.randn(requests, 2, 16, generator=gen).to(DEVICE)
     expected = reference_attention(q, kv_cache, tables, kv_lens, qo_lens, 16**-0.5)
