@@ -196,8 +196,8 @@ def test_a_plan_runs_at_most_two_attention_launches(fixed: bool, monkeypatch: py
     own = {work.tile_config(r, group, HEADS["head_dim"], 4).block_m for r in rows}
     assert len(own) == 3, f"the levels' own tiles must differ, got {own}"
     if fixed:
-        fixed_tiles = work.fixed_tile_configs(group, HEADS["head_dim"], 4)
-        assert sorted(tile.block_m for tile in fixed_tiles) == sorted(own)
+        _, middle, _ = work.fixed_tile_configs(group, HEADS["head_dim"], 4)
+        assert rows[1] <= middle.block_m < rows[0], "the branches must fit the middle tile, the root not"
         assert backend.graph_key == "triton"
     used = [launch.tile.block_m for launch in backend._launches if int(launch.num_work.item()) > 0]
     assert used == [min(own), max(own)]
