@@ -420,7 +420,8 @@ class TritonBackend(AttentionBackend):
             self._fixed_shape = shape
         assert self._ints is not None
         host = self._upload.image(sec.size)
-        host[: sec.kv_indices] = 0
+        # The row tables are cleared; the work lists past each launch's item count are never read.
+        host[: sec.work[0]] = 0
         # Merge programs past the plan's merged tokens have no rows and write nothing.
         host[sec.merge_rows : sec.merge_rows + sec.tokens] = -1
         fill_image(host, sec, works, levels, splits, order, cap.max_query_tokens, ext, cap.max_query_tokens)
