@@ -299,9 +299,12 @@ def test_graph_capacity_defaults_and_checks() -> None:
     capacity = GraphCapacity(max_query_tokens=40, max_pages=200, max_levels=3)
     assert capacity.work_items == 40 * 3 + 2048 and capacity.partial_rows == 40 * 3 + 4096
     assert GraphCapacity(1, 1, max_work_items=5, max_partial_rows=6).work_items == 5
-    for name in ("max_query_tokens", "max_pages", "max_levels"):
+    for name in ("max_query_tokens", "max_pages", "max_levels", "max_work_items"):
         with pytest.raises(ValueError, match=f"GraphCapacity.{name} must be >= 1, got 0"):
             GraphCapacity(**{"max_query_tokens": 1, "max_pages": 1, name: 0})
+    with pytest.raises(ValueError, match=r"GraphCapacity\.max_partial_rows must be >= 0, got -1"):
+        GraphCapacity(1, 1, max_partial_rows=-1)
+    assert GraphCapacity(1, 1, max_partial_rows=0).partial_rows == 0
 
 
 def test_fixed_capacity_accepts_a_plan_that_fills_it() -> None:
@@ -343,10 +346,11 @@ def test_fixed_capacity_takes_fewer_splits_when_they_do_not_fit() -> None:
         out = torch.full_like(q, math.nan)
         backend.run(q, kv_cache, out=out)
         torch.testing.assert_close(out[:1].double(), expected, atol=2e-5, rtol=2e-5)
-    backend = TritonBackend(DEVICE, capacity=GraphCapacity(2, 50, max_levels=1, max_work_items=0))
-    with pytest.raises(ValueError, match="the plan needs 1 work items and 0 partial rows, over the backend's "
-                       "capacity of 0 and"):  # fmt: skip
-        backend.plan(plan, **HEADS)
+    two = CascadePlanner().plan([np.arange(25), np.arange(25, 50)], [100, 100], [1, 1], 4)
+    backend = TritonBackend(DEVICE, capacity=GraphCapacity(2, 50, max_levels=1, max_work_items=1))
+    with pytest.raises(ValueError, match="the plan needs 2 work items and 0 partial rows, over the backend's "
+                       "capacity of 1 and"):  # fmt: skip
+        backend.plan(two, **HEADS)
 
 
 def _split_levels_backend(rule=None):
@@ -516,6 +520,47 @@ def test_fixed_capacity_runs_a_shared_level_on_flashinfer_graph_mode() -> None:
         backend.run(q, kv_cache, out=out)
         expected = reference_attention(q, kv_cache, tables, kv_lens, qo_lens, d**-0.5)
         torch.testing.assert_close(out.double(), expected, atol=3e-3, rtol=3e-3)
+
+
+@pytest.mark.parametrize("hq", [4, 64])
+def test_a_flashinfer_level_keeps_the_wide_launch(hq: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under a capacity, a plan whose shared level runs on FlashInfer (key "triton+fa3") runs its
+    other levels on the narrow and the wide launch, the two its graph holds: the requests' own
+    tokens, whose largest group (a request of 10 query tokens, 20 rows) fits the middle tile, run on
+    the wide one, and the output is right. At 64 query heads per KV head the fixed tiles are one (in
+    the interpreter; on a GPU at head dim 256): the plan then makes that one launch, once."""
+    import flashinfer_stand_in
+    from prefix_cache.kernels.attention import AttentionLaunch
+
+    from prefix_cache.attention.flashinfer_levels import LevelRule, SharedLevelsOnFlashInfer
+
+    gen = torch.Generator().manual_seed(9)
+    page, hkv, d = 4, 2 if hq == 4 else 1, 64
+    kv_cache = torch.randn(90, 2, page, hkv, d, generator=gen).half().to(DEVICE)
+    long, short, lone = np.arange(9), np.arange(9, 12), np.array([40, 41, 42])
+    tables = [np.r_[long, 20 + r] for r in range(3)] + [np.r_[short, 30 + r] for r in range(2)] + [lone]
+    kv_lens, qo_lens = [36 + 3, 36 + 2, 36 + 4, 12 + 1, 12 + 3, 12], [1, 2, 1, 1, 1, 10]
+    capacity = GraphCapacity(max_query_tokens=24, max_pages=40)
+    backend = TritonBackend(DEVICE, kv_chunk_size=8, capacity=capacity)
+    rule = LevelRule(min_rows=4, min_kv_tokens=12, min_work=1, min_split_tokens=8)
+    backend._shared_levels = SharedLevelsOnFlashInfer(
+        flashinfer_stand_in, torch.device(DEVICE), rule, capacity=capacity
+    )
+    plan = CascadePlanner(min_shared_tokens=1, min_saved_tokens=0).plan(tables, kv_lens, qo_lens, page)
+    backend.plan(plan, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, q_dtype=torch.float16)
+    assert backend.graph_key == "triton+fa3"
+    tiles = [launch.tile.block_m for launch in backend._launches]
+    with_work = [launch.tile.block_m for launch in backend._launches if int(launch.num_work.item()) > 0]
+    assert with_work == [64] and len(tiles) == (3 if hq == 4 else 1)
+    launched: list = []
+    run = AttentionLaunch.__call__
+    monkeypatch.setattr(AttentionLaunch, "__call__", lambda self, *a: launched.append(self) or run(self, *a))
+    q = torch.randn(sum(qo_lens), hq, d, generator=gen).half().to(DEVICE)
+    out = torch.full_like(q, float("nan"))
+    backend.run(q, kv_cache, out=out)
+    assert len(launched) == len(set(map(id, launched))) == (2 if hq == 4 else 1)
+    expected = reference_attention(q, kv_cache, tables, kv_lens, qo_lens, d**-0.5)
+    torch.testing.assert_close(out.double(), expected, atol=3e-3, rtol=3e-3)
 
 
 def test_a_refused_plan_leaves_the_fixed_buffers_and_flashinfer_level_as_they_were() -> None:

@@ -99,9 +99,12 @@ class GraphCapacity:
     max_partial_rows: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_query_tokens", "max_pages", "max_levels"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"GraphCapacity.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_query_tokens", "max_pages", "max_levels", "max_work_items"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"GraphCapacity.{name} must be >= 1, got {value}")
+        if self.max_partial_rows is not None and self.max_partial_rows < 0:
+            raise ValueError(f"GraphCapacity.max_partial_rows must be >= 0, got {self.max_partial_rows}")
 
     @property
     def work_items(self) -> int:
@@ -259,9 +262,9 @@ class TritonBackend(AttentionBackend):
         capacity the fixed tiles, else the narrowest and widest of the levels' own, ``tile_config``),
         where a small shared level runs on the narrow tile instead, in the decode tokens' launch (see
         ``SHARED_ON_NARROW_ROWS``). At most two launches: the levels off the narrow tile all run on
-        the widest tile one of them needs (on the last of ``tiles`` if ``widest``). Three launches of
-        an exact plan's own tiles ran the four-level batch 17% slower than its levels between them
-        on the wide tile, the system-prompt batch 2% faster (benchmarks/NOTES.md, attempt 22)."""
+        the widest tile one of them needs (on the last of ``tiles`` if ``widest``). With the levels
+        between on the wide tile, the four-level batch ran 17% faster than on three launches of its
+        own tiles, the system-prompt batch 2% slower (benchmarks/NOTES.md, attempt 22)."""
         group = self.num_qo_heads // self.num_kv_heads
         q_len, kv_len, starts = end_to_end(levels)
         q_with_kv = q_len * (kv_len > 0)
@@ -408,7 +411,7 @@ class TritonBackend(AttentionBackend):
             )
         self._commit_external(ext)
         if ext is not None:
-            self._fixed_run = (0, len(tiles) - 1)
+            self._fixed_run = (0, len(tiles) - 1) if len(tiles) > 1 else (0,)
         else:
             self._fixed_run = (0, *(i for i in range(1, len(tiles)) if works[i].shape[0]))
         sec = Sections([cap.work_items] * len(tiles), cap.max_pages, cap.max_levels, cap.max_query_tokens)
@@ -526,9 +529,9 @@ class TritonBackend(AttentionBackend):
         """The attention launches of the plan (arguments checked by ``run``, launches bound to q's
         dtype).
 
-        While a CUDA graph is captured, the second launch (the wide tile's) goes to a side stream,
-        joined before the merge: the two write disjoint rows, and as parallel branches of the graph
-        they overlap. On the H200 that took 1-5 µs (2-7%) off every replayed decode batch of the
+        While a CUDA graph is captured, the second launch (the middle or the wide tile's) goes to a
+        side stream, joined before the merge: the two write disjoint rows, and as parallel branches
+        of the graph they overlap. On the H200 that took 1-5 µs (2-7%) off every replayed decode batch of the
         attention benchmark, also where both launches have work, and left prefill as it was; a
         fixed-capacity launch with no work in the plan then costs little (benchmarks/NOTES.md,
         attempt 25). Eager runs stay on one stream: the switch cost 13-89 µs of host time per run there.
