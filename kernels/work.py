@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from prefix_cache.kernels._common import cdiv, interpreting, next_pow2
 
-from prefix_cache.kv_split import MAX_SPLITS, UNSPLIT, best_chunk
+from prefix_cache.kv_split import MAX_SPLITS, MIN_SPLIT_TOKENS, UNSPLIT, best_chunk, split_limits
 
 # Columns of a work item (int32): query tokens [Q0, Q1) of the tile (planned order), the group's
 # first entry in kv_indices, KV token range [KV0, KV1) of this split, the split's index, the causal
@@ -279,10 +279,16 @@ def _check_together(levels: Sequence[LevelIndices], page_size: int) -> list[Leve
 
 
 def auto_chunk(
-    kv_len: np.ndarray, programs: np.ndarray, tile: TileConfig, sms: int, max_splits: int = MAX_SPLITS
+    kv_len: np.ndarray,
+    programs: np.ndarray,
+    tile: TileConfig,
+    sms: int,
+    max_splits: int = MAX_SPLITS,
+    min_split: int = MIN_SPLIT_TOKENS,
 ) -> int:
     """KV tokens per split for a level whose group g runs ``programs[g]`` programs (M tiles x KV
-    heads) over ``kv_len[g]`` tokens. Splits only when the unsplit level leaves SMs idle.
+    heads) over ``kv_len[g]`` tokens. Splits only when the unsplit level leaves SMs idle, into at most
+    ``max_splits`` parts of at least ``min_split`` tokens (``split_limits``).
 
     Model: a wave of resident programs takes as long as its longest chunk. Among chunk lengths that
     cut the longest group into 1..64 equal parts, pick the fewest waves x chunk, moving to more
@@ -294,14 +300,16 @@ def auto_chunk(
     # The levels split for lack of programs are mostly shared ones, whose lengths stay the same from
     # step to step: the last choices are remembered.
     as_bytes = [a.astype(np.int64, copy=False).tobytes() for a in (kv_len, programs)]
-    return _best_chunk(*as_bytes, tile.block_n, slots, max_splits)
+    return _best_chunk(*as_bytes, tile.block_n, slots, max_splits, min_split)
 
 
 @functools.lru_cache(maxsize=256)
-def _best_chunk(kv_len_bytes: bytes, programs_bytes: bytes, block_n: int, slots: int, max_splits: int) -> int:
+def _best_chunk(
+    kv_len_bytes: bytes, programs_bytes: bytes, block_n: int, slots: int, max_splits: int, min_split: int
+) -> int:
     """``auto_chunk`` of a level that leaves SMs idle unsplit (int64 arrays as bytes): ``best_chunk``."""
     kv_len, programs = np.frombuffer(kv_len_bytes, np.int64), np.frombuffer(programs_bytes, np.int64)
-    return best_chunk(kv_len, programs, block_n, slots, max_splits)
+    return best_chunk(kv_len, programs, block_n, slots, max_splits, min_split)
 
 
 def level_work(
@@ -344,8 +352,9 @@ def levels_work(
     (work int64 [W, WORK_COLS], splits int64 [levels, nq], level int64 [W]: each item's). Level i's items are
     ``level_work``'s for it with ``causal[i]`` and ``tiles[i]``, in its order, level after level;
     their PAGE0 counts from the start of the levels' ``kv_indices`` laid end to end, and their OROW
-    is ``i * row_stride``. Each level chooses its own split (``auto_chunk``) unless
-    ``kv_chunk_size`` is given."""
+    is ``i * row_stride``. Each level chooses its own split (``auto_chunk``, within ``split_limits``:
+    a lone level on decode tiles splits finer than the levels of a cascade) unless ``kv_chunk_size``
+    is given."""
     if kv_chunk_size is not None and kv_chunk_size <= 0:
         raise ValueError(f"kv_chunk_size must be positive, got {kv_chunk_size}")
     if not levels or len({level.num_query_tokens for level in levels}) != 1:
@@ -360,6 +369,7 @@ def levels_work(
     # negated, for ceilings as -(a // -b)) and the group's first item; it is repeated once per item.
     # A level's constants are one row of ``per_level`` repeated over its groups (DIAG: NO_MASK when
     # not causal, replaced by the diagonal below when causal).
+    auto_min, auto_max = split_limits(len(levels), min(tile.block_m for tile in tiles), max_splits)
     groups = [level.kv_len.shape[0] for level in levels]
     per_level, page_base = [], 0
     for i, (level, tile, is_causal) in enumerate(zip(levels, tiles, causal, strict=True)):
@@ -384,7 +394,8 @@ def levels_work(
     for level, tile, n in zip(levels, tiles, groups, strict=True):
         chunk = kv_chunk_size
         if chunk is None:
-            chunk = auto_chunk(level.kv_len, m_tiles[start : start + n] * num_kv_heads, tile, sms, max_splits)
+            programs = m_tiles[start : start + n] * num_kv_heads
+            chunk = auto_chunk(level.kv_len, programs, tile, sms, auto_max, auto_min)
         neg_chunk[start : start + n] = -min(cdiv(chunk, tile.block_n) * tile.block_n, UNSPLIT)
         start += n
     # A group without KV gets no program and no partial row: the merge turns "no rows" into out 0

@@ -46,7 +46,7 @@ from pathlib import Path
 import numpy as np
 
 from prefix_cache.cascade import CascadePlan
-from prefix_cache.kv_split import MAX_SPLITS, UNSPLIT, best_chunk
+from prefix_cache.kv_split import MAX_SPLITS, UNSPLIT, best_chunk, split_limits
 
 _DATA = Path(__file__).resolve().parent / "data"
 DEFAULT_PATH = _DATA / "cost_model_h200.json"
@@ -185,10 +185,11 @@ class CostModel:
             if reads <= self.join_tile_tokens and (programs + t) * self._sm_den <= slots:
                 on[i], programs = narrow, programs + t
         chain, items, other, launches = 0.0, 0, False, 0
+        limits = split_limits(len(levels), narrow)
         for tile in sorted(set(on)):
             bn, slots = self._block_n(tile), self._slots(tile)
             counts = [
-                level.counts(tile // g, bn, slots, self._sm_den)
+                level.counts(tile // g, bn, slots, self._sm_den, limits)
                 for level, t in zip(few, on, strict=True)
                 if t == tile
             ]
@@ -289,11 +290,13 @@ class _Few:
         """KV tokens its M tiles read."""
         return _few_tiles(self.q, self.kv, tile_q)[1]
 
-    def counts(self, tile_q: int, block_n: int, slots: int, unit: int) -> tuple[int, int, int, bool]:
+    def counts(
+        self, tile_q: int, block_n: int, slots: int, unit: int, limits: tuple[int, int]
+    ) -> tuple[int, int, int, bool]:
         """(items, KV steps of all items, KV steps of the longest, whether a group with queries has
         other than one split) on a tile of ``tile_q`` query tokens, where a wave holds ``slots`` /
-        ``unit`` programs per KV head."""
-        return _few_counts(self.q, self.kv, tile_q, block_n, slots, unit)
+        ``unit`` programs per KV head; ``limits``: the plan's ``split_limits``."""
+        return _few_counts(self.q, self.kv, tile_q, block_n, slots, unit, limits)
 
 
 @functools.lru_cache(maxsize=256)
@@ -311,15 +314,20 @@ def _few_tiles(q: tuple[int, ...], kv: tuple[int, ...], tile_q: int) -> tuple[in
 
 @functools.lru_cache(maxsize=256)
 def _few_counts(
-    q: tuple[int, ...], kv: tuple[int, ...], tile_q: int, block_n: int, slots: int, unit: int
+    q: tuple[int, ...],
+    kv: tuple[int, ...],
+    tile_q: int,
+    block_n: int,
+    slots: int,
+    unit: int,
+    limits: tuple[int, int],
 ) -> tuple[int, int, int, bool]:
     """``_Few.counts``, remembered: a plan's shared levels keep their lengths from step to step."""
     m = [-(-a // tile_q) for a in q]  # every group's M tiles count for the split (auto_chunk)
     chunk = UNSPLIT
     if q and sum(m) * unit < slots:
-        chunk = best_chunk(
-            np.array(kv, dtype=np.int64), np.array(m, dtype=np.int64) * unit, block_n, slots, MAX_SPLITS
-        )
+        kv_len, programs = np.array(kv, dtype=np.int64), np.array(m, dtype=np.int64) * unit
+        chunk = best_chunk(kv_len, programs, block_n, slots, limits[1], limits[0])
     items = steps = longest = 0
     other = False
     for a, b, tiles in zip(q, kv, m, strict=True):
@@ -357,7 +365,9 @@ class _Many:
         m = self._m(tile_q)
         return int(self.kv_read.sum() if m is None else m @ self.kv)
 
-    def counts(self, tile_q: int, block_n: int, slots: int, unit: int) -> tuple[int, int, int, bool]:
+    def counts(
+        self, tile_q: int, block_n: int, slots: int, unit: int, limits: tuple[int, int]
+    ) -> tuple[int, int, int, bool]:
         """``_Few.counts``."""
         m = self._m(tile_q)
         items = self.tiles(tile_q)
@@ -365,7 +375,13 @@ class _Many:
         if items * unit < slots and int((-(self.q // -tile_q)).sum()) * unit < slots:
             active = np.flatnonzero(self.q | self.kv)  # groups with neither change nothing
             return _few_counts(
-                tuple(self.q[active].tolist()), tuple(self.kv[active].tolist()), tile_q, block_n, slots, unit
+                tuple(self.q[active].tolist()),
+                tuple(self.kv[active].tolist()),
+                tile_q,
+                block_n,
+                slots,
+                unit,
+                limits,
             )
         steps = (self.kv_read + (block_n - 1)) // block_n
         # Groups with queries but no KV have no split, and their tokens no state: the merge writes them.

@@ -14,28 +14,50 @@ import numpy as np
 # than the parallelism gains), nor a group more splits than MAX_SPLITS.
 MIN_SPLIT_TOKENS = 256
 MAX_SPLITS = 64
+# A plan of one level on decode tiles (at most DECODE_TILE_ROWS query rows) splits from 128 tokens, into
+# at most 16 parts: its merge is the only one, and its programs the launch's only ones. On the H200,
+# one-level decodes of 1-32 requests x 256-2048 tokens replayed 3-23% faster; in cascades, splits from
+# 128 cost 5-20% (benchmarks/NOTES.md, attempts 16 and 37).
+DECODE_TILE_ROWS = 16
+ONE_LEVEL_MIN_SPLIT_TOKENS = 128
+ONE_LEVEL_MAX_SPLITS = 16
 #: The chunk of a level that is not split (longer than any level's KV).
 UNSPLIT = np.iinfo(np.int32).max // 2
 
 
-def best_chunk(kv_len: np.ndarray, programs: np.ndarray, block_n: int, slots: int, max_splits: int) -> int:
+def split_limits(levels: int, tile_rows: int, max_splits: int = MAX_SPLITS) -> tuple[int, int]:
+    """(the fewest KV tokens of a split, the most splits of a group) for a level of a plan of
+    ``levels`` levels on a tile of ``tile_rows`` query rows, at most ``max_splits`` splits."""
+    if levels == 1 and tile_rows <= DECODE_TILE_ROWS:
+        return ONE_LEVEL_MIN_SPLIT_TOKENS, min(max_splits, ONE_LEVEL_MAX_SPLITS)
+    return MIN_SPLIT_TOKENS, max_splits
+
+
+def best_chunk(
+    kv_len: np.ndarray,
+    programs: np.ndarray,
+    block_n: int,
+    slots: int,
+    max_splits: int,
+    min_split: int,
+) -> int:
     """KV tokens per split of a level whose group g runs ``programs[g]`` programs over ``kv_len[g]``
     tokens (int64 arrays), on a device of ``slots`` resident programs that the unsplit level leaves
     partly idle; ``block_n``: KV tokens per step of the level's tile. ``UNSPLIT`` when no split wins.
 
     Model: a wave of resident programs takes as long as its longest chunk. Among chunk lengths that
-    cut the longest group into 2..max_splits equal parts (whole KV steps, at least
-    MIN_SPLIT_TOKENS), pick the fewest waves x chunk, moving to more splits only for a clear gain.
+    cut the longest group into 2..max_splits equal parts (whole KV steps, at least ``min_split``
+    tokens; ``split_limits``), pick the fewest waves x chunk, moving to more splits only for a clear gain.
     ``programs`` and ``slots`` are whole numbers in any one unit (the backend counts programs over
     all KV heads; the cost model per KV head, scaled so that its slots are whole): only their ratio
     matters, and whole numbers keep each wave count exact."""
     longest = int(kv_len.max())
     # Every candidate at once: chunk lengths for 2..max_splits parts (non-increasing), cut where they
-    # fall below MIN_SPLIT_TOKENS; the total programs of each in one [candidates, groups] product.
+    # fall below min_split; the total programs of each in one [candidates, groups] product.
     parts = np.arange(2, max_splits + 1, dtype=np.int64)
     per_part = -(-longest // parts)
     chunks = -(-per_part // block_n) * block_n
-    chunks = chunks[: np.count_nonzero(chunks >= MIN_SPLIT_TOKENS)]
+    chunks = chunks[: np.count_nonzero(chunks >= min_split)]
     totals = np.maximum(-(-kv_len[None, :] // chunks[:, None]), 1) @ programs
     costs = (-(-totals // slots) * chunks).tolist()
     best_cost, best = longest, UNSPLIT  # one wave of the unsplit level

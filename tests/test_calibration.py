@@ -198,7 +198,7 @@ def test_the_split_rule_is_the_backends(
     ours = (
         kv_split.UNSPLIT
         if m.sum() * unit >= slots
-        else kv_split.best_chunk(kv, m * unit, block_n, slots, kv_split.MAX_SPLITS)
+        else kv_split.best_chunk(kv, m * unit, block_n, slots, kv_split.MAX_SPLITS, kv_split.MIN_SPLIT_TOKENS)
     )
     assert ours == backend
 
