@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from prefix_cache.kernels._common import cdiv, interpreting, next_pow2
 
-from prefix_cache.kv_split import MAX_SPLITS, MIN_SPLIT_TOKENS, UNSPLIT, best_chunk, split_limits
+from prefix_cache.kv_split import MAX_SPLITS, MIN_SPLIT_TOKENS, UNSPLIT, best_chunk
 
 # Columns of a work item (int32): query tokens [Q0, Q1) of the tile (planned order), the group's
 # first entry in kv_indices, KV token range [KV0, KV1) of this split, the split's index, the causal
@@ -288,7 +288,7 @@ def auto_chunk(
 ) -> int:
     """KV tokens per split for a level whose group g runs ``programs[g]`` programs (M tiles x KV
     heads) over ``kv_len[g]`` tokens. Splits only when the unsplit level leaves SMs idle, into at most
-    ``max_splits`` parts of at least ``min_split`` tokens (``split_limits``).
+    ``max_splits`` parts of at least ``min_split`` tokens (``kv_split.min_split_tokens``).
 
     Model: a wave of resident programs takes as long as its longest chunk. Among chunk lengths that
     cut the longest group into 1..64 equal parts, pick the fewest waves x chunk, moving to more
@@ -346,15 +346,15 @@ def levels_work(
     sms: int,
     kv_chunk_size: int | None,
     max_splits: int = MAX_SPLITS,
+    min_split: int = MIN_SPLIT_TOKENS,
     row_stride: int,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``level_work`` of several levels over the same query tokens in one pass (a plan's levels):
     (work int64 [W, WORK_COLS], splits int64 [levels, nq], level int64 [W]: each item's). Level i's items are
     ``level_work``'s for it with ``causal[i]`` and ``tiles[i]``, in its order, level after level;
     their PAGE0 counts from the start of the levels' ``kv_indices`` laid end to end, and their OROW
-    is ``i * row_stride``. Each level chooses its own split (``auto_chunk``, within ``split_limits``:
-    a lone level on decode tiles splits finer than the levels of a cascade) unless ``kv_chunk_size``
-    is given."""
+    is ``i * row_stride``. Each level chooses its own split (``auto_chunk``, none shorter than
+    ``min_split`` tokens) unless ``kv_chunk_size`` is given."""
     if kv_chunk_size is not None and kv_chunk_size <= 0:
         raise ValueError(f"kv_chunk_size must be positive, got {kv_chunk_size}")
     if not levels or len({level.num_query_tokens for level in levels}) != 1:
@@ -369,7 +369,6 @@ def levels_work(
     # negated, for ceilings as -(a // -b)) and the group's first item; it is repeated once per item.
     # A level's constants are one row of ``per_level`` repeated over its groups (DIAG: NO_MASK when
     # not causal, replaced by the diagonal below when causal).
-    auto_min, auto_max = split_limits(len(levels), min(tile.block_m for tile in tiles), max_splits)
     groups = [level.kv_len.shape[0] for level in levels]
     per_level, page_base = [], 0
     for i, (level, tile, is_causal) in enumerate(zip(levels, tiles, causal, strict=True)):
@@ -395,7 +394,7 @@ def levels_work(
         chunk = kv_chunk_size
         if chunk is None:
             programs = m_tiles[start : start + n] * num_kv_heads
-            chunk = auto_chunk(level.kv_len, programs, tile, sms, auto_max, auto_min)
+            chunk = auto_chunk(level.kv_len, programs, tile, sms, max_splits, min_split)
         neg_chunk[start : start + n] = -min(cdiv(chunk, tile.block_n) * tile.block_n, UNSPLIT)
         start += n
     # A group without KV gets no program and no partial row: the merge turns "no rows" into out 0

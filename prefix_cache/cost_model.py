@@ -46,7 +46,7 @@ from pathlib import Path
 import numpy as np
 
 from prefix_cache.cascade import CascadePlan
-from prefix_cache.kv_split import MAX_SPLITS, UNSPLIT, best_chunk, split_limits
+from prefix_cache.kv_split import MAX_SPLITS, UNSPLIT, best_chunk, min_split_tokens
 
 _DATA = Path(__file__).resolve().parent / "data"
 DEFAULT_PATH = _DATA / "cost_model_h200.json"
@@ -185,11 +185,12 @@ class CostModel:
             if reads <= self.join_tile_tokens and (programs + t) * self._sm_den <= slots:
                 on[i], programs = narrow, programs + t
         chain, items, other, launches = 0.0, 0, False, 0
-        limits = split_limits(len(levels), narrow)
+        # The model's shape has heads of 128 (see the module docstring).
+        min_split = min_split_tokens(len(levels), narrow, 128)
         for tile in sorted(set(on)):
             bn, slots = self._block_n(tile), self._slots(tile)
             counts = [
-                level.counts(tile // g, bn, slots, self._sm_den, limits)
+                level.counts(tile // g, bn, slots, self._sm_den, min_split)
                 for level, t in zip(few, on, strict=True)
                 if t == tile
             ]
@@ -291,12 +292,12 @@ class _Few:
         return _few_tiles(self.q, self.kv, tile_q)[1]
 
     def counts(
-        self, tile_q: int, block_n: int, slots: int, unit: int, limits: tuple[int, int]
+        self, tile_q: int, block_n: int, slots: int, unit: int, min_split: int
     ) -> tuple[int, int, int, bool]:
         """(items, KV steps of all items, KV steps of the longest, whether a group with queries has
         other than one split) on a tile of ``tile_q`` query tokens, where a wave holds ``slots`` /
-        ``unit`` programs per KV head; ``limits``: the plan's ``split_limits``."""
-        return _few_counts(self.q, self.kv, tile_q, block_n, slots, unit, limits)
+        ``unit`` programs per KV head, splits of at least ``min_split`` KV tokens."""
+        return _few_counts(self.q, self.kv, tile_q, block_n, slots, unit, min_split)
 
 
 @functools.lru_cache(maxsize=256)
@@ -320,14 +321,14 @@ def _few_counts(
     block_n: int,
     slots: int,
     unit: int,
-    limits: tuple[int, int],
+    min_split: int,
 ) -> tuple[int, int, int, bool]:
     """``_Few.counts``, remembered: a plan's shared levels keep their lengths from step to step."""
     m = [-(-a // tile_q) for a in q]  # every group's M tiles count for the split (auto_chunk)
     chunk = UNSPLIT
     if q and sum(m) * unit < slots:
         kv_len, programs = np.array(kv, dtype=np.int64), np.array(m, dtype=np.int64) * unit
-        chunk = best_chunk(kv_len, programs, block_n, slots, limits[1], limits[0])
+        chunk = best_chunk(kv_len, programs, block_n, slots, MAX_SPLITS, min_split)
     items = steps = longest = 0
     other = False
     for a, b, tiles in zip(q, kv, m, strict=True):
@@ -366,7 +367,7 @@ class _Many:
         return int(self.kv_read.sum() if m is None else m @ self.kv)
 
     def counts(
-        self, tile_q: int, block_n: int, slots: int, unit: int, limits: tuple[int, int]
+        self, tile_q: int, block_n: int, slots: int, unit: int, min_split: int
     ) -> tuple[int, int, int, bool]:
         """``_Few.counts``."""
         m = self._m(tile_q)
@@ -381,7 +382,7 @@ class _Many:
                 block_n,
                 slots,
                 unit,
-                limits,
+                min_split,
             )
         steps = (self.kv_read + (block_n - 1)) // block_n
         # Groups with queries but no KV have no split, and their tokens no state: the merge writes them.

@@ -14,23 +14,23 @@ import numpy as np
 # than the parallelism gains), nor a group more splits than MAX_SPLITS.
 MIN_SPLIT_TOKENS = 256
 MAX_SPLITS = 64
-# A plan of one level on decode tiles (at most DECODE_TILE_ROWS query rows) splits from 128 tokens, into
-# at most 16 parts: its merge is the only one, and its programs the launch's only ones. On the H200,
-# one-level decodes of 1-32 requests x 256-2048 tokens replayed 3-23% faster; in cascades, splits from
-# 128 cost 5-20% (benchmarks/NOTES.md, attempts 16 and 37).
+# A plan of one level on decode tiles (at most DECODE_TILE_ROWS query rows) of head dims up to 128
+# splits from ONE_LEVEL_MIN_SPLIT_TOKENS: its merge is the only one, and its programs the launch's
+# only ones. On the H200, one-level decodes of 1-16 requests x 256-2048 tokens replayed 4-22% faster
+# (d64 and d128); in cascades, splits from 128 cost 5-20%, and at d256 one level of 8 x 1024 lost 16%
+# (benchmarks/NOTES.md, attempts 16 and 37).
 DECODE_TILE_ROWS = 16
 ONE_LEVEL_MIN_SPLIT_TOKENS = 128
-ONE_LEVEL_MAX_SPLITS = 16
 #: The chunk of a level that is not split (longer than any level's KV).
 UNSPLIT = np.iinfo(np.int32).max // 2
 
 
-def split_limits(levels: int, tile_rows: int, max_splits: int = MAX_SPLITS) -> tuple[int, int]:
-    """(the fewest KV tokens of a split, the most splits of a group) for a level of a plan of
-    ``levels`` levels on a tile of ``tile_rows`` query rows, at most ``max_splits`` splits."""
-    if levels == 1 and tile_rows <= DECODE_TILE_ROWS:
-        return ONE_LEVEL_MIN_SPLIT_TOKENS, min(max_splits, ONE_LEVEL_MAX_SPLITS)
-    return MIN_SPLIT_TOKENS, max_splits
+def min_split_tokens(levels: int, tile_rows: int, head_dim: int) -> int:
+    """The fewest KV tokens of a split, for a level of a plan of ``levels`` levels on a tile of
+    ``tile_rows`` query rows, of heads of ``head_dim``."""
+    if levels == 1 and tile_rows <= DECODE_TILE_ROWS and head_dim <= 128:
+        return ONE_LEVEL_MIN_SPLIT_TOKENS
+    return MIN_SPLIT_TOKENS
 
 
 def best_chunk(
@@ -47,7 +47,7 @@ def best_chunk(
 
     Model: a wave of resident programs takes as long as its longest chunk. Among chunk lengths that
     cut the longest group into 2..max_splits equal parts (whole KV steps, at least ``min_split``
-    tokens; ``split_limits``), pick the fewest waves x chunk, moving to more splits only for a clear gain.
+    tokens; ``min_split_tokens``), pick the fewest waves x chunk, moving to more splits only for a clear gain.
     ``programs`` and ``slots`` are whole numbers in any one unit (the backend counts programs over
     all KV heads; the cost model per KV head, scaled so that its slots are whole): only their ratio
     matters, and whole numbers keep each wave count exact."""

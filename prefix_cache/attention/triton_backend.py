@@ -55,6 +55,7 @@ from prefix_cache.kernels.work import (
     longest_first,
     tile_configs,
 )
+from prefix_cache.kv_split import min_split_tokens
 
 # A shared (non-causal) level joins the decode tokens' launch on the narrow tile when it has at most
 # SHARED_ON_NARROW_ROWS rows per group, its narrow M tiles read at most SHARED_ON_NARROW_READS KV
@@ -305,10 +306,11 @@ class TritonBackend(AttentionBackend):
         # fixed pair runs: an H200 sweep measured 5-15% less GPU time on several shared batches and no
         # batch slower (benchmarks/NOTES.md, attempt 16).
         used = sorted(set(level_tiles), key=lambda tile: tile.block_m) if tiles is None else list(tiles)
+        min_split = min_split_tokens(len(levels), min(tile.block_m for tile in level_tiles), self.head_dim)
         work, splits, item_level = levels_work(
             levels, causal=causal, tiles=level_tiles, group_size=group,
             num_kv_heads=self.num_kv_heads, sms=num_sms(self.device), kv_chunk_size=kv_chunk_size,
-            max_splits=max_splits,
+            max_splits=max_splits, min_split=min_split,
             row_stride=plan.num_query_tokens if self.capacity is None else self._tokens_cap,
         )  # fmt: skip
         if len(used) == 1:
