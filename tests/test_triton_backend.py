@@ -329,6 +329,33 @@ def test_fixed_capacity_keeps_its_sm_scale() -> None:
         backend.plan(plan, **HEADS, sm_scale=0.25)
 
 
+def _split_lengths(plan: CascadePlan, heads: dict, capacity: GraphCapacity | None = None) -> set[int]:
+    """KV tokens of the plan's work items on the GPU's tiles (scheduled on the CPU, not run)."""
+    backend = TritonBackend(device="cpu", capacity=capacity)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(work, "interpreting", lambda: False)
+        backend.plan(plan, **heads, q_dtype=torch.bfloat16)
+        items = [launch.work.numpy()[: int(launch.num_work.item())] for launch in backend._launches]
+    return {int(n) for work_list in items for n in work_list[:, work.KV1] - work_list[:, work.KV0]}
+
+
+@pytest.mark.parametrize("capacity", [None, GraphCapacity(max_query_tokens=8, max_pages=1024)])
+def test_a_lone_level_of_decodes_splits_finer_than_a_cascade(capacity) -> None:
+    """Eight decodes over 1024 tokens each leave the H200's SMs idle unsplit (8 requests x 8 KV
+    heads): their one-level plan splits them from 128 tokens at head dims up to 128, from 256 at
+    d256 and as the unique level of a cascade (kv_split.min_split_tokens)."""
+    tables = [np.arange(i * 64, (i + 1) * 64) for i in range(8)]
+    llama = dict(num_qo_heads=32, num_kv_heads=8, head_dim=128)
+    one = CascadePlanner(max_levels=1, cost_model=None).plan(tables, [1024] * 8, [1] * 8, 16)
+    assert len(one.levels) == 1
+    assert _split_lengths(one, llama, capacity) == {128}
+    assert _split_lengths(one, dict(num_qo_heads=16, num_kv_heads=8, head_dim=256), capacity) == {256}
+    shared = [np.concatenate([np.arange(1000, 1032), t]) for t in tables]  # a 512-token prefix first
+    two = CascadePlanner(cost_model=None).plan(shared, [1536] * 8, [1] * 8, 16)
+    assert len(two.levels) == 2
+    assert min(_split_lengths(two, llama, capacity)) >= 256
+
+
 def test_fixed_capacity_takes_fewer_splits_when_they_do_not_fit() -> None:
     """Splits over the capacity's partial rows or work items are cut down (fewer, longer splits),
     the output still right; a plan that does not fit even unsplit raises."""
