@@ -488,7 +488,7 @@ def test_graph_keys() -> None:
     assert choose_graph_key(prefill, 32, routing) == "flashinfer-prefill"
     assert choose_graph_key(decode, 32, routing) == "triton"  # FlashInfer's decode routing stops at 8
     assert choose_graph_key(prefill, 4, Routing(prefill_min_tokens=8, prefill_tokens=33)) == "triton"
-    # Decodes of one or two requests of at most 256 KV tokens: FlashInfer's prefill graph; of 16
+    # Decodes of one or two requests of at most 256 KV tokens: FlashInfer's prefill graph; of 8
     # requests or more: Triton.
     short = CascadePlanner().plan(unshared[:2], [256, 20], [1, 1], 16)
     assert choose_graph_key(short, 4, routing) == "flashinfer-prefill"
@@ -496,11 +496,11 @@ def test_graph_keys() -> None:
     assert choose_graph_key(short, 4, Routing(graph_fa3_decode_kv=255)) == "flashinfer-decode"
     longer = CascadePlanner().plan(unshared[:2], [257, 20], [1, 1], 16)
     assert choose_graph_key(longer, 4, routing) == "flashinfer-decode"
-    many = [np.arange(4 * i, 4 * i + 4) for i in range(16)]
-    sixteen = CascadePlanner().plan(many, [50] * 16, [1] * 16, 16)
-    assert choose_graph_key(sixteen, 4, routing) == "triton"
-    assert choose_graph_key(sixteen, 4, Routing(graph_triton_decodes=17)) == "flashinfer-decode"
-    assert choose_graph_key(CascadePlanner().plan(many[:15], [50] * 15, [1] * 15, 16), 4, routing) == (
+    many = [np.arange(4 * i, 4 * i + 4) for i in range(8)]
+    eight = CascadePlanner().plan(many, [50] * 8, [1] * 8, 16)
+    assert choose_graph_key(eight, 4, routing) == "triton"
+    assert choose_graph_key(eight, 4, Routing(graph_triton_decodes=9)) == "flashinfer-decode"
+    assert choose_graph_key(CascadePlanner().plan(many[:7], [50] * 7, [1] * 7, 16), 4, routing) == (
         "flashinfer-decode"
     )
     # A request without a query this step: FlashInfer's fixed batch gives each request a row.
@@ -559,7 +559,7 @@ def test_graph_keys() -> None:
 def test_auto_backend_graphs_replay_across_plans_of_each_key(layout: str) -> None:
     """With a capacity, the auto backend's six launch sets (FlashInfer decode, FlashInfer prefill,
     which also takes decodes of one or two short requests, our Triton cascade with its narrow launch
-    alone, which also takes decodes of 16 requests or more, with its middle or its wide tile, and on
+    alone, which also takes decodes of 8 requests or more, with its middle or its wide tile, and on
     Hopper that cascade with its long shared level on FA3) each replay from one CUDA graph, captured
     at its key's first plan, after later plans of that key with other batch sizes, prefix lengths and
     query counts: every replay against the float64 reference, the padding rows as documented, into a
@@ -604,7 +604,7 @@ def test_auto_backend_graphs_replay_across_plans_of_each_key(layout: str) -> Non
             tables = [np.array([*shared, free.pop()]) for _ in range(n)]
             kv_lens = [len(shared) * page_size + int(rng.integers(1, page_size + 1)) for _ in range(n)]
             return tables, kv_lens, [1] * n
-        n = {"decode": (3, 16), "tiny": (1, 3), "many": (16, 25), "prefill": (1, 3)}[kind]
+        n = {"decode": (3, 8), "tiny": (1, 3), "many": (8, 25), "prefill": (1, 3)}[kind]
         n = int(rng.integers(*n))
         qo_lens = [int(rng.integers(16, 24)) for _ in range(n)] if kind == "prefill" else [1] * n
         kv_lens = [int(rng.integers(qo, 257 if kind == "tiny" else 400)) for qo in qo_lens]

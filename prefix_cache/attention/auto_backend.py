@@ -54,9 +54,10 @@ class Routing:
         wrapper when the GQA group (query heads per KV head) is at most this; 0 never.
     graph_triton_decodes: under a ``GraphCapacity``, such decode plans of at least this many
         requests stay on our Triton kernels: FlashInfer's CUDA-graph mode splits every request's KV
-        and pads its grid to the capacity (on the H200, decodes of 16-512 requests replayed 0-13%
-        faster on Triton, 512 x 2048 tokens 0.7% slower, 8 x 256 5% slower; benchmarks/NOTES.md,
-        attempt 36).
+        and pads its grid to the capacity. On the H200 decodes of 16-512 requests replayed 0-13%
+        faster on Triton (512 x 2048 tokens 0.7% slower; benchmarks/NOTES.md, attempt 36), and since
+        a lone level splits from 128 tokens (attempt 37), 8 x 256 and 8 x 1024 replayed in 15.4-15.6
+        and 24.7-24.9 µs on Triton against 17.8 and 26 on FlashInfer's graph (an earlier process).
     graph_fa3_decodes, graph_fa3_decode_kv: under a ``GraphCapacity``, such decode plans of at most
         ``graph_fa3_decodes`` requests, none over ``graph_fa3_decode_kv`` KV tokens, run on
         FlashInfer's prefill kernels (FA3 on Hopper), which do not split: 1 x 64 to 2 x 256 replayed
@@ -66,7 +67,7 @@ class Routing:
     prefill_min_tokens: int = 64
     prefill_tokens: int = 512
     decode_max_group: int = 8
-    graph_triton_decodes: int = 16
+    graph_triton_decodes: int = 8
     graph_fa3_decodes: int = 2
     graph_fa3_decode_kv: int = 256
 
