@@ -49,6 +49,7 @@ from prefix_cache.kernels.work import (
 )
 
 from prefix_cache.attention.kv_layout import KVCache, split_kv_cache
+from prefix_cache.kv_split import min_split_tokens
 
 
 @triton.jit
@@ -406,6 +407,7 @@ def plan_level(
     work, splits = level_work(
         level, causal=causal, group_size=group_size, num_kv_heads=num_kv_heads, tile=tile,
         sms=num_sms(device), kv_chunk_size=kv_chunk_size,
+        min_split=min_split_tokens(1, tile.block_m, head_dim),  # a one-level plan's, as the backend's
     )  # fmt: skip
     work = longest_first(work)
     return LevelSchedule(

@@ -322,16 +322,18 @@ def level_work(
     sms: int,
     kv_chunk_size: int | None,
     max_splits: int = MAX_SPLITS,
+    min_split: int = MIN_SPLIT_TOKENS,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Cut a level into work items: (work int64 [W, WORK_COLS] with OROW 0, splits int64 [nq]: the
     partial states the level writes for each planned query token, 0 for tokens of groups without KV).
 
     kv_chunk_size: KV tokens per split (rounded up to a multiple of the KV tile); None splits only
-    when the level has too few programs for the device (``auto_chunk``). max_splits: per group.
+    when the level has too few programs for the device (``auto_chunk``, no split under ``min_split``
+    tokens). max_splits: per group.
     """
     work, splits, _ = levels_work(
         [level], causal=[causal], tiles=[tile], group_size=group_size, num_kv_heads=num_kv_heads, sms=sms,
-        kv_chunk_size=kv_chunk_size, max_splits=max_splits, row_stride=0,
+        kv_chunk_size=kv_chunk_size, max_splits=max_splits, min_split=min_split, row_stride=0,
     )  # fmt: skip
     return work, splits[0]
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-# Never give a split fewer KV tokens than this (below it, the partial rows and the merge cost more
-# than the parallelism gains), nor a group more splits than MAX_SPLITS.
+# Never give a level of a cascade a split of fewer KV tokens than this (below it, the partial rows
+# and the merge cost more than the parallelism gains), nor a group more splits than MAX_SPLITS.
 MIN_SPLIT_TOKENS = 256
 MAX_SPLITS = 64
 # A plan of one level on decode tiles (at most DECODE_TILE_ROWS query rows) of head dims up to 128
@@ -26,8 +26,8 @@ UNSPLIT = np.iinfo(np.int32).max // 2
 
 
 def min_split_tokens(levels: int, tile_rows: int, head_dim: int) -> int:
-    """The fewest KV tokens of a split, for a level of a plan of ``levels`` levels on a tile of
-    ``tile_rows`` query rows, of heads of ``head_dim``."""
+    """The fewest KV tokens of a split, for a level of a plan of ``levels`` levels (those run on
+    FlashInfer included) on a tile of ``tile_rows`` query rows, of heads of ``head_dim``."""
     if levels == 1 and tile_rows <= DECODE_TILE_ROWS and head_dim <= 128:
         return ONE_LEVEL_MIN_SPLIT_TOKENS
     return MIN_SPLIT_TOKENS

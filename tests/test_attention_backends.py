@@ -483,34 +483,37 @@ def test_graph_keys() -> None:
     decode = CascadePlanner().plan(unshared, [300, 310, 20], [1, 1, 1], 16)
     prefill = CascadePlanner().plan(unshared, [300, 310, 20], [32, 1, 1], 16)
     chunk = CascadePlanner().plan(unshared, [300, 310, 20], [8, 1, 1], 16)
-    assert choose_graph_key(decode, 4, routing) == "flashinfer-decode"
-    assert choose_graph_key(prefill, 4, routing) == "flashinfer-prefill"
-    assert choose_graph_key(prefill, 32, routing) == "flashinfer-prefill"
-    assert choose_graph_key(decode, 32, routing) == "triton"  # FlashInfer's decode routing stops at 8
-    assert choose_graph_key(prefill, 4, Routing(prefill_min_tokens=8, prefill_tokens=33)) == "triton"
+    assert choose_graph_key(decode, 4, 128, routing) == "flashinfer-decode"
+    assert choose_graph_key(prefill, 4, 128, routing) == "flashinfer-prefill"
+    assert choose_graph_key(prefill, 32, 128, routing) == "flashinfer-prefill"
+    assert choose_graph_key(decode, 32, 128, routing) == "triton"  # FlashInfer's decode routing stops at 8
+    assert choose_graph_key(prefill, 4, 128, Routing(prefill_min_tokens=8, prefill_tokens=33)) == "triton"
     # Decodes of one or two requests of at most 256 KV tokens: FlashInfer's prefill graph; of 8
     # requests or more: Triton.
     short = CascadePlanner().plan(unshared[:2], [256, 20], [1, 1], 16)
-    assert choose_graph_key(short, 4, routing) == "flashinfer-prefill"
-    assert choose_graph_key(short, 4, Routing(graph_fa3_decodes=1)) == "flashinfer-decode"
-    assert choose_graph_key(short, 4, Routing(graph_fa3_decode_kv=255)) == "flashinfer-decode"
+    assert choose_graph_key(short, 4, 128, routing) == "flashinfer-prefill"
+    assert choose_graph_key(short, 4, 128, Routing(graph_fa3_decodes=1)) == "flashinfer-decode"
+    assert choose_graph_key(short, 4, 128, Routing(graph_fa3_decode_kv=255)) == "flashinfer-decode"
     longer = CascadePlanner().plan(unshared[:2], [257, 20], [1, 1], 16)
-    assert choose_graph_key(longer, 4, routing) == "flashinfer-decode"
+    assert choose_graph_key(longer, 4, 128, routing) == "flashinfer-decode"
     many = [np.arange(4 * i, 4 * i + 4) for i in range(8)]
     eight = CascadePlanner().plan(many, [50] * 8, [1] * 8, 16)
-    assert choose_graph_key(eight, 4, routing) == "triton"
-    assert choose_graph_key(eight, 4, Routing(graph_triton_decodes=9)) == "flashinfer-decode"
-    assert choose_graph_key(CascadePlanner().plan(many[:7], [50] * 7, [1] * 7, 16), 4, routing) == (
+    assert choose_graph_key(eight, 4, 128, routing) == "triton"
+    assert choose_graph_key(eight, 4, 128, Routing(graph_triton_decodes=9)) == "flashinfer-decode"
+    # Head dims over 128 keep splits from 256 tokens on one level, and FlashInfer up to 15 decodes.
+    assert choose_graph_key(eight, 4, 256, routing) == "flashinfer-decode"
+    assert choose_graph_key(eight, 4, 256, Routing(graph_triton_decodes_large_heads=8)) == "triton"
+    assert choose_graph_key(CascadePlanner().plan(many[:7], [50] * 7, [1] * 7, 16), 4, 128, routing) == (
         "flashinfer-decode"
     )
     # A request without a query this step: FlashInfer's fixed batch gives each request a row.
     idle = CascadePlanner().plan(unshared, [300, 310, 20], [1, 0, 1], 16)
-    assert len(idle.levels) == 1 and choose_graph_key(idle, 4, routing) == "triton"
+    assert len(idle.levels) == 1 and choose_graph_key(idle, 4, 128, routing) == "triton"
     shared = [np.array([*range(32), 100 + i]) for i in range(4)]
     cascade = CascadePlanner(min_shared_tokens=256, min_saved_tokens=0).plan(
         shared, [520] * 4, [16, 1, 1, 1], 16
     )
-    assert len(cascade.levels) == 2 and choose_graph_key(cascade, 4, routing) == "triton"
+    assert len(cascade.levels) == 2 and choose_graph_key(cascade, 4, 128, routing) == "triton"
     # One-level plans that FlashInfer's graph launches would run wrongly are left to Triton: a request
     # without KV, a non-causal level, a level that does not cover the plan's query tokens.
     (level,) = decode.levels
@@ -521,10 +524,10 @@ def test_graph_keys() -> None:
         kv_last_page_len=np.array([0, 16, 4], dtype=np.int32),
     )
     for broken in (no_kv, dataclasses.replace(level, causal=False)):
-        assert choose_graph_key(dataclasses.replace(decode, levels=(broken,)), 4, routing) == "triton"
+        assert choose_graph_key(dataclasses.replace(decode, levels=(broken,)), 4, 128, routing) == "triton"
     (chunks,) = prefill.levels
     more_rows = dataclasses.replace(chunks, qo_indptr=np.array([0, 32, 33, 35], dtype=np.int32))
-    assert choose_graph_key(dataclasses.replace(prefill, levels=(more_rows,)), 4, routing) == "triton"
+    assert choose_graph_key(dataclasses.replace(prefill, levels=(more_rows,)), 4, 128, routing) == "triton"
 
     device = SWEEPS["triton"].device
     heads = dict(num_qo_heads=4, num_kv_heads=1, head_dim=16, q_dtype=torch.float32)

@@ -329,9 +329,21 @@ def test_fixed_capacity_keeps_its_sm_scale() -> None:
         backend.plan(plan, **HEADS, sm_scale=0.25)
 
 
-def _split_lengths(plan: CascadePlan, heads: dict, capacity: GraphCapacity | None = None) -> set[int]:
-    """KV tokens of the plan's work items on the GPU's tiles (scheduled on the CPU, not run)."""
+def _split_lengths(
+    plan: CascadePlan, heads: dict, capacity: GraphCapacity | None = None, fa3: bool = False
+) -> set[int]:
+    """KV tokens of the plan's work items on the GPU's tiles (scheduled on the CPU, not run); with
+    ``fa3``, its shared level handed to a stand-in FlashInfer first."""
+    import flashinfer_stand_in
+
+    from prefix_cache.attention.flashinfer_levels import LevelRule, SharedLevelsOnFlashInfer
+
     backend = TritonBackend(device="cpu", capacity=capacity)
+    if fa3:
+        rule = LevelRule(min_rows=4, min_kv_tokens=12, min_work=1, min_split_tokens=256)
+        backend._shared_levels = SharedLevelsOnFlashInfer(
+            flashinfer_stand_in, backend.device, rule, capacity=capacity
+        )
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(work, "interpreting", lambda: False)
         backend.plan(plan, **heads, q_dtype=torch.bfloat16)
@@ -339,21 +351,25 @@ def _split_lengths(plan: CascadePlan, heads: dict, capacity: GraphCapacity | Non
     return {int(n) for work_list in items for n in work_list[:, work.KV1] - work_list[:, work.KV0]}
 
 
-@pytest.mark.parametrize("capacity", [None, GraphCapacity(max_query_tokens=8, max_pages=1024)])
+@pytest.mark.parametrize("capacity", [None, GraphCapacity(max_query_tokens=64, max_pages=1024)])
 def test_a_lone_level_of_decodes_splits_finer_than_a_cascade(capacity) -> None:
     """Eight decodes over 1024 tokens each leave the H200's SMs idle unsplit (8 requests x 8 KV
     heads): their one-level plan splits them from 128 tokens at head dims up to 128, from 256 at
-    d256 and as the unique level of a cascade (kv_split.min_split_tokens)."""
+    d256, with a prefill chunk among them (a wider tile) and as the unique level of a cascade, also
+    one whose shared level runs on FlashInfer (kv_split.min_split_tokens)."""
     tables = [np.arange(i * 64, (i + 1) * 64) for i in range(8)]
     llama = dict(num_qo_heads=32, num_kv_heads=8, head_dim=128)
     one = CascadePlanner(max_levels=1, cost_model=None).plan(tables, [1024] * 8, [1] * 8, 16)
     assert len(one.levels) == 1
     assert _split_lengths(one, llama, capacity) == {128}
     assert _split_lengths(one, dict(num_qo_heads=16, num_kv_heads=8, head_dim=256), capacity) == {256}
+    chunk = CascadePlanner(max_levels=1, cost_model=None).plan(tables, [1024] * 8, [1] * 7 + [40], 16)
+    assert min(_split_lengths(chunk, llama, capacity)) == 256  # 128 on the decode tile (rows <= 16)
     shared = [np.concatenate([np.arange(1000, 1032), t]) for t in tables]  # a 512-token prefix first
     two = CascadePlanner(cost_model=None).plan(shared, [1536] * 8, [1] * 8, 16)
     assert len(two.levels) == 2
     assert min(_split_lengths(two, llama, capacity)) >= 256
+    assert min(_split_lengths(two, llama, capacity, fa3=True)) >= 256
 
 
 def test_fixed_capacity_takes_fewer_splits_when_they_do_not_fit() -> None:

@@ -41,6 +41,7 @@ from prefix_cache.attention.flashinfer_levels import LevelRule, SharedLevelsOnFl
 from prefix_cache.attention.kv_layout import flashinfer_paged
 from prefix_cache.attention.triton_backend import GraphCapacity, TritonBackend, checked_levels
 from prefix_cache.cascade import CascadePlan
+from prefix_cache.kv_split import DECODE_TILE_ROWS, MIN_SPLIT_TOKENS, min_split_tokens
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,8 @@ class Routing:
         faster on Triton (512 x 2048 tokens 0.7% slower; benchmarks/NOTES.md, attempt 36), and since
         a lone level splits from 128 tokens (attempt 37), 8 x 256 and 8 x 1024 replayed in 15.4-15.6
         and 24.7-24.9 µs on Triton against 17.8 and 26 on FlashInfer's graph (an earlier process).
+    graph_triton_decodes_large_heads: ``graph_triton_decodes`` for head dims over 128, whose lone
+        levels keep splits from 256 tokens (``kv_split.min_split_tokens``): attempt 36's threshold.
     graph_fa3_decodes, graph_fa3_decode_kv: under a ``GraphCapacity``, such decode plans of at most
         ``graph_fa3_decodes`` requests, none over ``graph_fa3_decode_kv`` KV tokens, run on
         FlashInfer's prefill kernels (FA3 on Hopper), which do not split: 1 x 64 to 2 x 256 replayed
@@ -68,6 +71,7 @@ class Routing:
     prefill_tokens: int = 512
     decode_max_group: int = 8
     graph_triton_decodes: int = 8
+    graph_triton_decodes_large_heads: int = 16
     graph_fa3_decodes: int = 2
     graph_fa3_decode_kv: int = 256
 
@@ -85,7 +89,7 @@ def choose_route(plan: CascadePlan, group_size: int, routing: Routing) -> str:
     return "triton"
 
 
-def choose_graph_key(plan: CascadePlan, group_size: int, routing: Routing) -> str:
+def choose_graph_key(plan: CascadePlan, group_size: int, head_dim: int, routing: Routing) -> str:
     """The launches of ``plan`` under a ``GraphCapacity``: for a causal one-level plan in the engine's
     order, every request with queries and KV, that ``choose_route`` sends to FlashInfer,
     ``"flashinfer-prefill"`` (some request has several query tokens, or a decode of few short
@@ -108,7 +112,8 @@ def choose_graph_key(plan: CascadePlan, group_size: int, routing: Routing) -> st
         return "triton"
     if not bool((q_len == 1).all()):
         return "flashinfer-prefill"
-    if q_len.size >= routing.graph_triton_decodes:
+    large = min_split_tokens(1, DECODE_TILE_ROWS, head_dim) == MIN_SPLIT_TOKENS
+    if q_len.size >= (routing.graph_triton_decodes_large_heads if large else routing.graph_triton_decodes):
         return "triton"
     kv_tokens = (pages - 1) * plan.page_size + level.kv_last_page_len.astype(np.int64)
     if q_len.size <= routing.graph_fa3_decodes and int(kv_tokens.max()) <= routing.graph_fa3_decode_kv:
@@ -176,7 +181,7 @@ class AutoBackend(AttentionBackend):
             and plan.num_query_tokens > 0
         )
         if self.capacity is not None:
-            key = choose_graph_key(plan, group, self.routing) if flashinfer else "triton"
+            key = choose_graph_key(plan, group, self.head_dim, self.routing) if flashinfer else "triton"
             if key == "triton":
                 self._triton.plan(plan, **heads, q_dtype=self.dtype)
                 key = self._triton.graph_key

@@ -306,7 +306,8 @@ class TritonBackend(AttentionBackend):
         # fixed pair runs: an H200 sweep measured 5-15% less GPU time on several shared batches and no
         # batch slower (benchmarks/NOTES.md, attempt 16).
         used = sorted(set(level_tiles), key=lambda tile: tile.block_m) if tiles is None else list(tiles)
-        min_split = min_split_tokens(len(levels), min(tile.block_m for tile in level_tiles), self.head_dim)
+        # The plan's levels count, with one run on FlashInfer: its merge folds several states per token.
+        min_split = min_split_tokens(len(plan.levels), min(t.block_m for t in level_tiles), self.head_dim)
         work, splits, item_level = levels_work(
             levels, causal=causal, tiles=level_tiles, group_size=group,
             num_kv_heads=self.num_kv_heads, sms=num_sms(self.device), kv_chunk_size=kv_chunk_size,
