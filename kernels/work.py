@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from prefix_cache.kernels._common import cdiv, interpreting, next_pow2
 
-from prefix_cache.kv_split import MAX_SPLITS, MIN_SPLIT_TOKENS, UNSPLIT, best_chunk
+from prefix_cache.kv_split import DECODE_TILE_ROWS, MAX_SPLITS, MIN_SPLIT_TOKENS, UNSPLIT, best_chunk
 
 # Columns of a work item (int32): query tokens [Q0, Q1) of the tile (planned order), the group's
 # first entry in kv_indices, KV token range [KV0, KV1) of this split, the split's index, the causal
@@ -104,6 +104,31 @@ def fixed_tile_configs(group_size: int, head_dim: int, page_size: int) -> tuple[
     narrow, wide = tile_configs([1, 1 << 20], group_size, head_dim, page_size)
     middle = tile_configs([wide.block_m // 2], group_size, head_dim, page_size)[0]
     return tuple(dict.fromkeys((narrow, middle, wide)))
+
+
+# A plan's only level, on a decode tile of two stages of 64 KV tokens (at most DECODE_TILE_ROWS rows,
+# head dims up to 128, pages of 16+ tokens), whose programs number from LONE_DECODE_MIN_PROGRAMS up to
+# one wave of the device's resident programs, runs on the same rows reading 32 KV tokens per step in
+# three stages (``lone_decode_tile``): each program then has 4-8 short steps in flight rather than
+# 2-4 long ones, where nothing else runs beside it. On the H200, one-level decodes of 512 programs
+# replayed 6-9% faster (8 x 1024, 16 x 512, 32 x 256, 2 x 4096 at 32/8 d128), while fewer programs
+# (1 x 256, 8 x 256) and many waves (512 x 256) lost 3-5%, and every cascade 1-11%
+# (benchmarks/NOTES.md, attempts 37 and 38).
+LONE_DECODE_MIN_PROGRAMS = 512
+
+
+def lone_decode_tile(tile: TileConfig, head_dim: int, page_size: int) -> TileConfig | None:
+    """The tile that replaces decode ``tile`` for a plan's only level when its programs fill about one
+    wave (``lone_decode_fits``), or None where the rule does not apply to ``tile`` (see above)."""
+    if tile.block_m > DECODE_TILE_ROWS or head_dim > 128 or page_size < 16:
+        return None
+    return TileConfig(tile.block_m, 32, tile.num_warps, 3)
+
+
+def lone_decode_fits(programs: int, tile: TileConfig, sms: int) -> bool:
+    """Whether a plan's only level of ``programs`` programs (work items x KV heads) runs on
+    ``lone_decode_tile``: from LONE_DECODE_MIN_PROGRAMS up to one wave of ``tile``'s resident ones."""
+    return LONE_DECODE_MIN_PROGRAMS <= programs <= sms * tile.resident_per_sm()
 
 
 @dataclass(frozen=True)

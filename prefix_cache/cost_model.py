@@ -26,7 +26,9 @@ at most ``join_tile_tokens`` KV tokens (each of a group's tiles reads the group'
 launch's tiles still fit one wave (``sms_per_kv_head`` x programs resident per SM: 1 at 128 rows, 2
 at 64, 4 below). Splits (``prefix_cache.kv_split``, the backend's ``auto_chunk``): a level whose M
 tiles leave resident slots idle cuts its groups' KV into chunks of whole KV steps
-(``kv_tile_tokens`` per step, by tile). Tests hold the counts to the backend's.
+(``kv_tile_tokens`` per step, by tile). A lone level of decodes that the backend moves to its own
+tile of shorter steps (``lone_decode_tile``: the same work items) is counted on the decode tile,
+the steps the model was calibrated on. Tests hold the counts to the backend's.
 
 The numbers are fitted to times measured by ``benchmarks/calibrate_planner.py`` (one model shape:
 Llama-3-8B heads, 32 query / 8 KV heads of 128) and kept as data in ``prefix_cache/data/``; rerun it

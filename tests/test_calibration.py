@@ -49,10 +49,13 @@ def test_the_packaged_cost_model_refits_from_the_committed_calibration(tmp_path:
 
 def _backend_schedule(plan) -> tuple[int, int, float, int]:
     """(launches, merge, chain_steps, work_items) of the Triton backend's exact schedule of a plan at
-    the packaged model's shape (32/8 heads of 128, an H200's SMs on CPU tensors)."""
+    the packaged model's shape (32/8 heads of 128, an H200's SMs on CPU tensors). A lone level of
+    decodes counts its steps on the decode tile: ``lone_decode_tile`` runs the same items (tested in
+    test_triton_backend.py), and the model was calibrated on the decode tile's steps."""
     backend = TritonBackend(device="cpu")
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(work, "interpreting", lambda: False)
+        mp.setattr(work, "LONE_DECODE_MIN_PROGRAMS", 1 << 30)
         backend.plan(plan, num_qo_heads=32, num_kv_heads=8, head_dim=128, q_dtype=torch.bfloat16)
         levels = checked_levels(plan)
         tiles, works, _ = backend._schedule(plan, levels, [lv.causal for lv in plan.levels], None, None)

@@ -372,6 +372,90 @@ def test_a_lone_level_of_decodes_splits_finer_than_a_cascade(capacity) -> None:
     assert min(_split_lengths(two, llama, capacity, fa3=True)) >= 256
 
 
+def _gpu_launches(backend: TritonBackend, plan: CascadePlan, heads: dict) -> list[tuple]:
+    """(tile, work items) of each launch the plan runs, scheduled for the GPU's tiles on the CPU."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(work, "interpreting", lambda: False)
+        backend.plan(plan, **heads, q_dtype=torch.bfloat16)
+    launches = backend._launches
+    if backend.capacity is not None:
+        launches = [launches[i] for i in backend._fixed_run]
+    return [(launch.tile, launch.work.numpy()[: int(launch.num_work.item())].copy()) for launch in launches]
+
+
+@pytest.mark.parametrize("capacity", [None, GraphCapacity(max_query_tokens=512, max_pages=9000)])
+def test_a_lone_level_of_decodes_filling_a_wave_runs_on_its_own_tile(capacity, monkeypatch) -> None:
+    """One level of 8 decodes over 1024 tokens at 32/8 d128 splits into 512 programs, about one wave
+    of an H200's resident ones: it runs the same work items on the lone decode tile (32 KV tokens
+    per step, three stages), under a capacity as a launch of its own (key "triton-decode"), and the
+    backend goes back to its fixed launches for the next plan. Fewer programs (1 x 256), more than
+    a wave (512 x 256), a prefill chunk (a wider tile), a cascade, d256 and pages of one token keep
+    their tiles (``work.lone_decode_tile``)."""
+    llama = dict(num_qo_heads=32, num_kv_heads=8, head_dim=128)
+    decode = work.TileConfig(16, 64, 4, 2)
+    lone = work.TileConfig(16, 32, 4, 3)
+
+    def one_level(requests: int, kv: int, qo: list[int] | None = None, page: int = 16):
+        n = -(-(kv + max(qo or [1])) // page)
+        tables = [np.arange(i * n, (i + 1) * n) for i in range(requests)]
+        planner = CascadePlanner(max_levels=1, cost_model=None)
+        return planner.plan(tables, [kv] * requests, qo or [1] * requests, page)
+
+    backend = TritonBackend(device="cpu", capacity=capacity)
+    wave = one_level(8, 1024)
+    ((tile, items),) = _gpu_launches(backend, wave, llama)
+    assert tile == lone and items.shape[0] * 8 == 512
+    assert backend.graph_key == (None if capacity is None else "triton-decode")
+    with monkeypatch.context() as mp:
+        mp.setattr(work, "LONE_DECODE_MIN_PROGRAMS", 1 << 30)
+        ((off_tile, off_items),) = _gpu_launches(TritonBackend(device="cpu", capacity=capacity), wave, llama)
+    assert off_tile == decode
+    np.testing.assert_array_equal(items, off_items)
+
+    for plan in (one_level(1, 256), one_level(512, 256), one_level(8, 1024, [1] * 7 + [40])):
+        tiles = [tile for tile, _ in _gpu_launches(backend, plan, llama)]
+        assert lone not in tiles and (decode in tiles or plan.num_query_tokens == 47)
+        assert backend.graph_key in (None, "triton-narrow", "triton-mid", "triton")
+    shared = [np.concatenate([np.arange(1000, 1032), np.arange(i * 64, (i + 1) * 64)]) for i in range(8)]
+    cascade = CascadePlanner(cost_model=None).plan(shared, [1536] * 8, [1] * 8, 16)
+    assert len(cascade.levels) == 2
+    assert lone not in [tile for tile, _ in _gpu_launches(backend, cascade, llama)]
+    ((tile, _),) = _gpu_launches(backend, wave, llama)
+    assert tile == lone and backend.graph_key in (None, "triton-decode")
+    for heads, page in ((dict(num_qo_heads=16, num_kv_heads=8, head_dim=256), 16), (llama, 1)):
+        other = TritonBackend(device="cpu", capacity=capacity)
+        assert lone not in [tile for tile, _ in _gpu_launches(other, one_level(8, 1024, page=page), heads)]
+        assert other._lone_launch is None and len(other._launches) <= 3
+
+
+def test_fixed_capacity_replays_a_lone_decode_level_between_other_plans(monkeypatch) -> None:
+    """Under a capacity, plans alternate between the lone level's launch (its program threshold
+    lowered to reach it at test sizes) and the fixed ones on the same device buffers; every output is
+    right against the float64 reference."""
+    monkeypatch.setattr(work, "LONE_DECODE_MIN_PROGRAMS", 1)
+    gen = torch.Generator().manual_seed(11)
+    page, hq, hkv, d = 16, 4, 2, 16
+    kv_cache = torch.randn(40, 2, page, hkv, d, generator=gen).to(DEVICE)
+    unshared = ([np.arange(5 * i, 5 * i + 5) for i in range(3)], [70, 80, 33], [1, 1, 1])
+    shared = ([np.r_[np.arange(20, 30), 30 + i] for i in range(4)], [165, 170, 161, 175], [1, 1, 1, 1])
+    planner = CascadePlanner(min_shared_tokens=16, min_saved_tokens=0, cost_model=None)
+    backend = TritonBackend(DEVICE, kv_chunk_size=32, capacity=GraphCapacity(max_query_tokens=4, max_pages=60))
+    buffers = None
+    for batch, key in ((unshared, "triton-decode"), (shared, "triton-narrow"), (unshared, "triton-decode")):
+        tables, kv_lens, qo_lens = batch
+        plan = planner.plan(tables, kv_lens, qo_lens, page)
+        backend.plan(plan, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d)
+        assert backend.graph_key == key
+        now = [t.data_ptr() for t in (backend._ints, backend._part_o, backend._part_lse)]
+        assert buffers in (None, now)
+        buffers = now
+        q = torch.randn(4, hq, d, generator=gen).to(DEVICE)  # padded to the capacity
+        out = torch.full_like(q, math.nan)
+        backend.run(q, kv_cache, out=out)
+        expected = reference_attention(q[: len(qo_lens)], kv_cache, tables, kv_lens, qo_lens, d**-0.5)
+        torch.testing.assert_close(out[: len(qo_lens)].double(), expected, atol=2e-5, rtol=2e-5)
+
+
 def test_fixed_capacity_takes_fewer_splits_when_they_do_not_fit() -> None:
     """Splits over the capacity's partial rows or work items are cut down (fewer, longer splits),
     the output still right; a plan that does not fit even unsplit raises."""
@@ -753,10 +837,10 @@ def test_dependent_merge_only_right_after_the_one_attention_launch(monkeypatch) 
     """With programmatic dependent launch on (forced here: it is off in the interpreter), a run
     launches its merge dependent (``launch_pdl`` with ``WAIT_PRIOR``) only right after the run's one
     attention launch, which lets it start (``LAUNCH_DEPENDENTS``): an exact plan of one launch, a
-    fixed plan of key "triton-narrow". After two attention launches (an exact plan of both tiles, a
-    fixed plan of key "triton") it waits for both as any launch does. Plans alternate on one
-    backend, so the launches kept across plans and the run-time choice of the merge are checked
-    too. The launches are recorded, not run."""
+    fixed plan of key "triton-narrow" or "triton-decode". After two attention launches (an exact
+    plan of both tiles, a fixed plan of key "triton") it waits for both as any launch does. Plans
+    alternate on one backend, so the launches kept across plans and the run-time choice of the
+    merge are checked too. The launches are recorded, not run."""
     from prefix_cache.kernels import _launch
     from prefix_cache.kernels.attention import _attention_kernel
     from prefix_cache.kernels.merge_state import _merge_states_kernel
@@ -774,10 +858,18 @@ def test_dependent_merge_only_right_after_the_one_attention_launch(monkeypatch) 
     shared = CascadePlanner(min_shared_tokens=16, min_saved_tokens=0).plan(tables, [40] * 40, [1] * 40, 16)
     exact = TritonBackend(DEVICE, kv_chunk_size=64)  # splits: tokens to merge
     fixed = TritonBackend(DEVICE, capacity=GraphCapacity(max_query_tokens=40, max_pages=100))
-    for backend, other in ((exact, shared), (fixed, prefill)):
-        for plan, attention, dependent in ((decode, 1, True), (other, 2, False), (decode, 1, True)):
+    runs = [(exact, (decode, shared, decode)), (fixed, (decode, prefill, decode))]
+    # The lone decode level's launch (its threshold lowered to reach it) under a capacity, between
+    # plans of two launches: one launch, the merge dependent on it.
+    runs.append((fixed, (decode, prefill, decode)))
+    for i, (backend, plans) in enumerate(runs):
+        if i == 2:
+            monkeypatch.setattr(work, "LONE_DECODE_MIN_PROGRAMS", 1)
+        for plan, attention, dependent in zip(plans, (1, 2, 1), (True, False, True), strict=True):
             backend.plan(plan, **heads)
             assert backend._merges > 0
+            if i == 2 and dependent:
+                assert backend.graph_key == "triton-decode"
             launched.clear()
             backend.run(torch.zeros(plan.num_query_tokens, 4, 16, device=DEVICE), kv_cache)
             kernels = [launch.kernel for launch in launched]

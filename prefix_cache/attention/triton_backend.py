@@ -13,14 +13,16 @@ merge after a plan's one attention launch is a programmatic dependent launch: it
 while that launch ends and wait for its partial rows in the kernel.
 
 With a ``GraphCapacity`` the backend keeps fixed-size buffers and a fixed set of launches (a narrow,
-a middle and a wide tile, each over a fixed persistent grid, then the merge over one program per
-token of the capacity): ``run`` can be captured in a CUDA graph once and replayed after any later
-``plan`` that fits the capacity and has the same ``graph_key``, because ``plan`` only rewrites the
-contents of the same device buffers. A plan runs the narrow launch and at most one other: with no
-work off the narrow tile (decode batches whose shared levels are small) it has the key
-``"triton-narrow"``; with levels that fit the middle tile and none that needs the wide one,
-``"triton-mid"``; otherwise ``"triton"`` (its levels off the narrow tile all on the wide one). In a
-captured graph the two attention launches are parallel branches (``launch_levels``).
+a middle and a wide tile, and for decode shapes the lone level's tile, each over a fixed persistent
+grid, then the merge over one program per token of the capacity): ``run`` can be captured in a CUDA
+graph once and replayed after any later ``plan`` that fits the capacity and has the same
+``graph_key``, because ``plan`` only rewrites the contents of the same device buffers. A plan runs
+the narrow launch and at most one other: with no work off the narrow tile (decode batches whose
+shared levels are small) it has the key ``"triton-narrow"``; with levels that fit the middle tile
+and none that needs the wide one, ``"triton-mid"``; otherwise ``"triton"`` (its levels off the
+narrow tile all on the wide one). A plan of one level of decodes that fills about one wave runs the
+lone level's launch alone instead (``"triton-decode"``, see ``lone_decode_tile``). In a captured
+graph the two attention launches are parallel branches (``launch_levels``).
 
 On Hopper the auto backend also gives the backend a ``SharedLevelsOnFlashInfer``
 (``flashinfer_levels``): a long shared level with many query rows then runs on FlashInfer's FA3
@@ -52,6 +54,8 @@ from prefix_cache.kernels.work import (
     end_to_end,
     fixed_tile_configs,
     levels_work,
+    lone_decode_fits,
+    lone_decode_tile,
     longest_first,
     tile_configs,
 )
@@ -208,6 +212,8 @@ class TritonBackend(AttentionBackend):
         # Under a capacity: the indices in _launches of the launches the current plan runs (the narrow
         # one, and the middle or the wide one where it has work there).
         self._fixed_run: tuple[int, ...] = (0,)
+        self._wide_launch = 0  # the index in _launches of the widest fixed tile's launch
+        self._lone_launch: int | None = None  # and of the lone decode level's (``lone_decode_tile``)
         # Captured in a CUDA graph, the second attention launch runs on this stream (see launch_levels).
         self._side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
@@ -218,7 +224,8 @@ class TritonBackend(AttentionBackend):
     def graph_key(self) -> str | None:
         """Under a capacity, the plan's fixed sequence of launches (one graph each): ``"triton+fa3"``
         when one of its shared levels runs on FlashInfer's FA3 (``_shared_levels``, set by the auto
-        backend), with the narrow and the wide launch; else ``"triton-narrow"`` when every level runs
+        backend), with the narrow and the wide launch; else ``"triton-decode"`` for a lone level of
+        decodes on its own tile (``lone_decode_tile``), ``"triton-narrow"`` when every level runs
         on the narrow tile, ``"triton-mid"`` when the others run on the middle tile, ``"triton"`` on
         the wide one. A graph of two launches also replays a plan of the narrow one, whose empty
         launch still costs 1-2 µs of a replayed step (benchmarks/NOTES.md, attempts 25 and 30)."""
@@ -227,8 +234,8 @@ class TritonBackend(AttentionBackend):
         if self._external:
             return "triton+fa3"
         if len(self._fixed_run) == 1:
-            return "triton-narrow"
-        return "triton" if self._fixed_run[-1] == len(self._launches) - 1 else "triton-mid"
+            return "triton-decode" if self._fixed_run[0] == self._lone_launch else "triton-narrow"
+        return "triton" if self._fixed_run[-1] == self._wide_launch else "triton-mid"
 
     def _prepare(self, plan: CascadePlan) -> None:
         if not plan.levels:
@@ -308,12 +315,26 @@ class TritonBackend(AttentionBackend):
         used = sorted(set(level_tiles), key=lambda tile: tile.block_m) if tiles is None else list(tiles)
         # The plan's levels count, with one run on FlashInfer: its merge folds several states per token.
         min_split = min_split_tokens(len(plan.levels), min(t.block_m for t in level_tiles), self.head_dim)
+        sms = num_sms(self.device)
         work, splits, item_level = levels_work(
             levels, causal=causal, tiles=level_tiles, group_size=group,
-            num_kv_heads=self.num_kv_heads, sms=num_sms(self.device), kv_chunk_size=kv_chunk_size,
+            num_kv_heads=self.num_kv_heads, sms=sms, kv_chunk_size=kv_chunk_size,
             max_splits=max_splits, min_split=min_split,
             row_stride=plan.num_query_tokens if self.capacity is None else self._tokens_cap,
         )  # fmt: skip
+        # A lone level of decodes filling one wave runs the same items on its own tile
+        # (``lone_decode_tile``); under a capacity, a launch of its own after the fixed ones.
+        if tiles is not None and (spare := lone_decode_tile(tiles[0], self.head_dim, plan.page_size)):
+            used.append(spare)
+        lone = lone_decode_tile(level_tiles[0], self.head_dim, plan.page_size)
+        if (
+            lone is not None
+            and len(plan.levels) == len(levels) == 1
+            and lone_decode_fits(work.shape[0] * self.num_kv_heads, lone, sms)
+        ):
+            level_tiles = [lone]
+            if tiles is None:
+                used = [lone]
         if len(used) == 1:
             return used, [longest_first(work)], splits
         launch = np.array([used.index(tile) for tile in level_tiles])[item_level]
@@ -399,7 +420,7 @@ class TritonBackend(AttentionBackend):
         # Splits that do not fit the fixed buffers are cut down, not dropped: fewer, longer splits.
         for max_splits in (MAX_SPLITS, 16, 8, 4, 2, 1):
             # The FA3 level's graph keeps the narrow and the wide launch.
-            _, works, splits = self._schedule(
+            used, works, splits = self._schedule(
                 plan, levels, causal, tiles, self.kv_chunk_size, max_splits, widest=ext is not None
             )
             items = [w.shape[0] for w in works]
@@ -413,14 +434,19 @@ class TritonBackend(AttentionBackend):
                 f"capacity of {cap.work_items} and {cap.partial_rows}"
             )
         self._commit_external(ext)
+        # Launches: the fixed tiles (the wide one last), then the lone level's, where the shape has one.
+        self._wide_launch = len(tiles) - 1
+        self._lone_launch = len(tiles) if len(used) > len(tiles) else None
         if ext is not None:
-            self._fixed_run = (0, len(tiles) - 1) if len(tiles) > 1 else (0,)
+            self._fixed_run = (0, self._wide_launch) if self._wide_launch else (0,)
+        elif self._lone_launch is not None and works[self._lone_launch].shape[0]:
+            self._fixed_run = (self._lone_launch,)
         else:
             self._fixed_run = (0, *(i for i in range(1, len(tiles)) if works[i].shape[0]))
-        sec = Sections([cap.work_items] * len(tiles), cap.max_pages, cap.max_levels, cap.max_query_tokens)
+        sec = Sections([cap.work_items] * len(used), cap.max_pages, cap.max_levels, cap.max_query_tokens)
         if self._fixed_shape is None:
             self._ints = torch.zeros(sec.size, dtype=torch.int32, device=self.device)
-            self._bind(sec, list(tiles), exact=False, merges=cap.max_query_tokens)
+            self._bind(sec, used, exact=False, merges=cap.max_query_tokens)
             self._part_o = self._float_buffer((cap.partial_rows, self.num_qo_heads, self.head_dim))
             self._part_lse = self._float_buffer((cap.partial_rows, self.num_qo_heads))
             self._fixed_shape = shape
@@ -485,7 +511,8 @@ class TritonBackend(AttentionBackend):
         # dependent launch): 0.5-1.3 µs less per replayed step of small decode batches on the H200,
         # d256's exact plan 2 µs more (benchmarks/NOTES.md, attempt 33). The dependency is on the
         # one kernel before the merge in the stream, so it is used only where that kernel is the
-        # plan's one attention launch: under a capacity the narrow launch of a "triton-narrow" plan.
+        # plan's one attention launch: under a capacity the narrow launch of a "triton-narrow" plan
+        # and the lone level's of a "triton-decode" plan.
         pdl = self._merges > 0 and dependent_launches(self.device)
         one_launch = len(self._launches) == 1
         self._attention_launches = [
@@ -497,7 +524,7 @@ class TritonBackend(AttentionBackend):
                 page_size=page_size,
                 head_dim=self.head_dim,
                 dtype=dtype,
-                before_merge=pdl and i == 0 and (one_launch or self.capacity is not None),
+                before_merge=pdl and (one_launch or self.capacity is not None) and i in (0, self._lone_launch),
             )
             for i, launch in enumerate(self._launches)
         ]
