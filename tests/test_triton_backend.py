@@ -439,7 +439,8 @@ def test_fixed_capacity_replays_a_lone_decode_level_between_other_plans(monkeypa
     unshared = ([np.arange(5 * i, 5 * i + 5) for i in range(3)], [70, 80, 33], [1, 1, 1])
     shared = ([np.r_[np.arange(20, 30), 30 + i] for i in range(4)], [165, 170, 161, 175], [1, 1, 1, 1])
     planner = CascadePlanner(min_shared_tokens=16, min_saved_tokens=0, cost_model=None)
-    backend = TritonBackend(DEVICE, kv_chunk_size=32, capacity=GraphCapacity(max_query_tokens=4, max_pages=60))
+    capacity = GraphCapacity(max_query_tokens=4, max_pages=60)
+    backend = TritonBackend(DEVICE, kv_chunk_size=32, capacity=capacity)
     buffers = None
     for batch, key in ((unshared, "triton-decode"), (shared, "triton-narrow"), (unshared, "triton-decode")):
         tables, kv_lens, qo_lens = batch

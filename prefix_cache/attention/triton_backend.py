@@ -515,6 +515,7 @@ class TritonBackend(AttentionBackend):
         # and the lone level's of a "triton-decode" plan.
         pdl = self._merges > 0 and dependent_launches(self.device)
         one_launch = len(self._launches) == 1
+        alone = (0, self._lone_launch)  # the launches that may run alone before the merge
         self._attention_launches = [
             AttentionLaunch(
                 num_programs=launch.num_programs,
@@ -524,7 +525,7 @@ class TritonBackend(AttentionBackend):
                 page_size=page_size,
                 head_dim=self.head_dim,
                 dtype=dtype,
-                before_merge=pdl and (one_launch or self.capacity is not None) and i in (0, self._lone_launch),
+                before_merge=pdl and (one_launch or self.capacity is not None) and i in alone,
             )
             for i, launch in enumerate(self._launches)
         ]
