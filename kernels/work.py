@@ -107,20 +107,21 @@ def fixed_tile_configs(group_size: int, head_dim: int, page_size: int) -> tuple[
 
 
 # A plan's only level, on a decode tile of two stages of 64 KV tokens (at most DECODE_TILE_ROWS rows,
-# head dims up to 128, pages of 16+ tokens), whose programs number from LONE_DECODE_MIN_PROGRAMS up to
-# one wave of the device's resident programs, runs on the same rows reading 32 KV tokens per step in
-# three stages (``lone_decode_tile``): each program then has 4-8 short steps in flight rather than
-# 2-4 long ones, where nothing else runs beside it. On the H200, one-level decodes of 512 programs
-# replayed 6-9% faster (8 x 1024, 16 x 512, 32 x 256, 2 x 4096 at 32/8 d128), while fewer programs
-# (1 x 256, 8 x 256) and many waves (512 x 256) lost 3-5%, and every cascade 1-11%
-# (benchmarks/NOTES.md, attempts 37 and 38).
+# head dims up to 128, pages of 16+ tokens, 2+ query heads per KV head), whose programs number from
+# LONE_DECODE_MIN_PROGRAMS up to one wave of the device's resident programs, runs on the same rows
+# reading 32 KV tokens per step in three stages (``lone_decode_tile``): each program then has 4-8
+# short steps in flight rather than 2-4 long ones, where nothing else runs beside it. On the H200
+# (32/8 d128), one-level decodes of 512 programs replayed 5-6% faster (8 x 1024, 2 x 4096, 16 x 512,
+# 32 x 256; the same at page 64), 0-1% at 64 x 256, 64 x 512 and 32 x 1024; fewer programs lost up
+# to 10% (1 x 256, 8 x 256, d64 8 x 1024), more than a wave 5-7% (96 x 256, 512 x 256), every
+# cascade 1-11%; MHA 8/8's 4 x 2048 (512 programs) lost 17% (benchmarks/NOTES.md, attempts 37-38).
 LONE_DECODE_MIN_PROGRAMS = 512
 
 
-def lone_decode_tile(tile: TileConfig, head_dim: int, page_size: int) -> TileConfig | None:
+def lone_decode_tile(tile: TileConfig, group_size: int, head_dim: int, page_size: int) -> TileConfig | None:
     """The tile that replaces decode ``tile`` for a plan's only level when its programs fill about one
     wave (``lone_decode_fits``), or None where the rule does not apply to ``tile`` (see above)."""
-    if tile.block_m > DECODE_TILE_ROWS or head_dim > 128 or page_size < 16:
+    if tile.block_m > DECODE_TILE_ROWS or group_size < 2 or head_dim > 128 or page_size < 16:
         return None
     return TileConfig(tile.block_m, 32, tile.num_warps, 3)
 

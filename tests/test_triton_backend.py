@@ -389,8 +389,8 @@ def test_a_lone_level_of_decodes_filling_a_wave_runs_on_its_own_tile(capacity, m
     of an H200's resident ones: it runs the same work items on the lone decode tile (32 KV tokens
     per step, three stages), under a capacity as a launch of its own (key "triton-decode"), and the
     backend goes back to its fixed launches for the next plan. Fewer programs (1 x 256), more than
-    a wave (512 x 256), a prefill chunk (a wider tile), a cascade, d256 and pages of one token keep
-    their tiles (``work.lone_decode_tile``)."""
+    a wave (512 x 256), a prefill chunk (a wider tile), a cascade, d256, pages of one token and MHA
+    (one query head per KV head) keep their tiles (``work.lone_decode_tile``)."""
     llama = dict(num_qo_heads=32, num_kv_heads=8, head_dim=128)
     decode = work.TileConfig(16, 64, 4, 2)
     lone = work.TileConfig(16, 32, 4, 3)
@@ -422,10 +422,13 @@ def test_a_lone_level_of_decodes_filling_a_wave_runs_on_its_own_tile(capacity, m
     assert lone not in [tile for tile, _ in _gpu_launches(backend, cascade, llama)]
     ((tile, _),) = _gpu_launches(backend, wave, llama)
     assert tile == lone and backend.graph_key in (None, "triton-decode")
-    for heads, page in ((dict(num_qo_heads=16, num_kv_heads=8, head_dim=256), 16), (llama, 1)):
+    mha = dict(num_qo_heads=8, num_kv_heads=8, head_dim=128)  # 4 x 2048: 512 programs
+    d256 = dict(num_qo_heads=16, num_kv_heads=8, head_dim=256)
+    for heads, plan in ((d256, wave), (llama, one_level(8, 1024, page=1)), (mha, one_level(4, 2048))):
         other = TritonBackend(device="cpu", capacity=capacity)
-        assert lone not in [tile for tile, _ in _gpu_launches(other, one_level(8, 1024, page=page), heads)]
-        assert other._lone_launch is None and len(other._launches) <= 3
+        ((tile, items),) = _gpu_launches(other, plan, heads)
+        assert tile != lone and other._lone_launch is None and len(other._launches) <= 3
+    assert items.shape[0] * 8 == 512
 
 
 def test_fixed_capacity_replays_a_lone_decode_level_between_other_plans(monkeypatch) -> None:

@@ -22,9 +22,9 @@ of one level whose requests all have KV, that the rule sends to FlashInfer, runs
 CUDA-graph prefill wrappers (``prefix_cache.attention.flashinfer_graphs``: FA2 for decode, FA3 on
 Hopper for prefill and for a decode of one or two short requests), except a decode of many requests
 (``Routing.graph_triton_decodes``), and every other plan on the fixed-capacity Triton backend, on
-Hopper with its ``LevelRule`` level on FA3's CUDA-graph mode. Those are six fixed sequences of
+Hopper with its ``LevelRule`` level on FA3's CUDA-graph mode. Those are seven fixed sequences of
 launches (``"flashinfer-decode"``, ``"flashinfer-prefill"``, ``"triton"``, ``"triton-mid"``,
-``"triton-narrow"``, ``"triton+fa3"``), one graph each:
+``"triton-narrow"``, ``"triton-decode"``, ``"triton+fa3"``), one graph each:
 ``graph_key`` names the current plan's, and a graph captured under one key replays after any later
 plan with the same key. An engine keeps a graph per (batch bucket, key).
 """

@@ -324,9 +324,9 @@ class TritonBackend(AttentionBackend):
         )  # fmt: skip
         # A lone level of decodes filling one wave runs the same items on its own tile
         # (``lone_decode_tile``); under a capacity, a launch of its own after the fixed ones.
-        if tiles is not None and (spare := lone_decode_tile(tiles[0], self.head_dim, plan.page_size)):
+        if tiles is not None and (spare := lone_decode_tile(tiles[0], group, self.head_dim, plan.page_size)):
             used.append(spare)
-        lone = lone_decode_tile(level_tiles[0], self.head_dim, plan.page_size)
+        lone = lone_decode_tile(level_tiles[0], group, self.head_dim, plan.page_size)
         if (
             lone is not None
             and len(plan.levels) == len(levels) == 1
