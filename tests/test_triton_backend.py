@@ -383,14 +383,15 @@ def _gpu_launches(backend: TritonBackend, plan: CascadePlan, heads: dict) -> lis
     return [(launch.tile, launch.work.numpy()[: int(launch.num_work.item())].copy()) for launch in launches]
 
 
-@pytest.mark.parametrize("capacity", [None, GraphCapacity(max_query_tokens=512, max_pages=9000)])
+@pytest.mark.parametrize("capacity", [None, GraphCapacity(max_query_tokens=512, max_pages=20000)])
 def test_a_lone_level_of_decodes_filling_a_wave_runs_on_its_own_tile(capacity, monkeypatch) -> None:
     """One level of 8 decodes over 1024 tokens at 32/8 d128 splits into 512 programs, about one wave
-    of an H200's resident ones: it runs the same work items on the lone decode tile (32 KV tokens
-    per step, three stages), under a capacity as a launch of its own (key "triton-decode"), and the
-    backend goes back to its fixed launches for the next plan. Fewer programs (1 x 256), more than
-    a wave (512 x 256), a prefill chunk (a wider tile), a cascade, d256, pages of one token and MHA
-    (one query head per KV head) keep their tiles (``work.lone_decode_tile``)."""
+    of an H200's resident ones, each over 128 tokens: it runs the same work items on the lone
+    decode tile (32 KV tokens per step, three stages), under a capacity as a launch of its own (key
+    "triton-decode"), and the backend goes back to its fixed launches for the next plan. Fewer
+    programs (1 x 256), more than a wave (512 x 256), long items (64 x 4608: 512 programs), a
+    prefill chunk (a wider tile), a cascade, d256, pages of one token and MHA (one query head per KV
+    head) keep their tiles (``work.lone_decode_tile``)."""
     llama = dict(num_qo_heads=32, num_kv_heads=8, head_dim=128)
     decode = work.TileConfig(16, 64, 4, 2)
     lone = work.TileConfig(16, 32, 4, 3)
@@ -412,7 +413,8 @@ def test_a_lone_level_of_decodes_filling_a_wave_runs_on_its_own_tile(capacity, m
     assert off_tile == decode
     np.testing.assert_array_equal(items, off_items)
 
-    for plan in (one_level(1, 256), one_level(512, 256), one_level(8, 1024, [1] * 7 + [40])):
+    long_items = one_level(64, 4608)  # 512 programs of 4608 KV tokens each
+    for plan in (one_level(1, 256), one_level(512, 256), long_items, one_level(8, 1024, [1] * 7 + [40])):
         tiles = [tile for tile, _ in _gpu_launches(backend, plan, llama)]
         assert lone not in tiles and (decode in tiles or plan.num_query_tokens == 47)
         assert backend.graph_key in (None, "triton-narrow", "triton-mid", "triton")

@@ -330,7 +330,7 @@ class TritonBackend(AttentionBackend):
         if (
             lone is not None
             and len(plan.levels) == len(levels) == 1
-            and lone_decode_fits(work.shape[0] * self.num_kv_heads, lone, sms)
+            and lone_decode_fits(work, self.num_kv_heads, lone, sms)
         ):
             level_tiles = [lone]
             if tiles is None:
