@@ -17,12 +17,13 @@ a middle and a wide tile, and for decode shapes the lone level's tile, each over
 grid, then the merge over one program per token of the capacity): ``run`` can be captured in a CUDA
 graph once and replayed after any later ``plan`` that fits the capacity and has the same
 ``graph_key``, because ``plan`` only rewrites the contents of the same device buffers. A plan runs
-the narrow launch and at most one other: with no work off the narrow tile (decode batches whose
-shared levels are small) it has the key ``"triton-narrow"``; with levels that fit the middle tile
-and none that needs the wide one, ``"triton-mid"``; otherwise ``"triton"`` (its levels off the
-narrow tile all on the wide one). A plan of one level of decodes that fills about one wave runs the
-lone level's launch alone instead (``"triton-decode"``, see ``lone_decode_tile``). In a captured
-graph the two attention launches are parallel branches (``launch_levels``).
+the narrow launch and at most one other (or the lone level's launch alone, below): with no work off
+the narrow tile (decode batches whose shared levels are small) it has the key ``"triton-narrow"``;
+with levels that fit the middle tile and none that needs the wide one, ``"triton-mid"``; otherwise
+``"triton"`` (its levels off the narrow tile all on the wide one). A plan of one level of decodes
+that fills about one wave runs the lone level's launch alone instead (``"triton-decode"``, see
+``lone_decode_tile``). In a captured graph the two attention launches are parallel branches
+(``launch_levels``).
 
 On Hopper the auto backend also gives the backend a ``SharedLevelsOnFlashInfer``
 (``flashinfer_levels``): a long shared level with many query rows then runs on FlashInfer's FA3
@@ -210,7 +211,7 @@ class TritonBackend(AttentionBackend):
         self._external = False
         self._ext_rows = None
         # Under a capacity: the indices in _launches of the launches the current plan runs (the narrow
-        # one, and the middle or the wide one where it has work there).
+        # one, and the middle or the wide one where it has work there; or the lone level's alone).
         self._fixed_run: tuple[int, ...] = (0,)
         self._wide_launch = 0  # the index in _launches of the widest fixed tile's launch
         self._lone_launch: int | None = None  # and of the lone decode level's (``lone_decode_tile``)
