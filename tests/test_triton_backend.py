@@ -414,9 +414,15 @@ def test_a_lone_level_of_decodes_filling_a_wave_runs_on_its_own_tile(capacity, m
     np.testing.assert_array_equal(items, off_items)
 
     long_items = one_level(64, 4608)  # 512 programs of 4608 KV tokens each
-    for plan in (one_level(1, 256), one_level(512, 256), long_items, one_level(8, 1024, [1] * 7 + [40])):
+    chunk = one_level(8, 1024, [1] * 7 + [40])  # a prefill chunk: a wider tile than the decode one
+    for plan, on_decode_tile in (
+        (one_level(1, 256), True),
+        (one_level(512, 256), True),
+        (long_items, True),
+        (chunk, capacity is not None),  # exact: one launch on the wide tile; fixed: narrow + wide
+    ):
         tiles = [tile for tile, _ in _gpu_launches(backend, plan, llama)]
-        assert lone not in tiles and (decode in tiles or plan.num_query_tokens == 47)
+        assert lone not in tiles and (decode in tiles) == on_decode_tile
         assert capacity is None or backend.graph_key in ("triton-narrow", "triton-mid", "triton")
     shared = [np.concatenate([np.arange(1000, 1032), np.arange(i * 64, (i + 1) * 64)]) for i in range(8)]
     cascade = CascadePlanner(cost_model=None).plan(shared, [1536] * 8, [1] * 8, 16)
