@@ -83,13 +83,15 @@ def _tile_config(rows: int, group_size: int, head_dim: int, page_size: int, inte
     # and on the long shared prefix, the same elsewhere. benchmarks/NOTES.md, attempts 7 and 8.
     # Head dims over 128 read 32 KV tokens per step, except decode tiles, which read 64: 26-33% less
     # GPU time on long d256 decodes, 4% on 8 x 1024, a shared-prefix cascade within 2%; 64 on the
-    # wider tiles cost d256 prefill 8-31% (attempt 21).
+    # wider tiles cost d256 prefill 8-31% (attempt 21). Those d256 decode tiles run 8 warps: 2-5%
+    # less GPU time on d256 decodes and cascades of up to 1024 tokens per request replayed, 1-2%
+    # more on 64 x 2048 (attempt 39).
     wide = block_m >= 128
     stages = 2 if block_d > 128 or wide or (block_m <= 16 and page_size >= 16) else 3
     return TileConfig(
         block_m=block_m,
         block_n=(128 if wide else 64) if block_d <= 128 or block_m <= 16 else 32,
-        num_warps=8 if block_m >= 128 else 4,
+        num_warps=8 if wide or (block_m <= 16 and block_d > 128) else 4,
         num_stages=stages,
     )
 

@@ -948,13 +948,15 @@ def test_gpu_cuda_graph_of_an_exact_plan_with_two_launches():
 
 @gpu
 @pytest.mark.gpu
-def test_gpu_merge_after_one_launch_waits_for_it():
+@pytest.mark.parametrize("hq, d", [(32, 128), (16, 256)])
+def test_gpu_merge_after_one_launch_waits_for_it(hq, d):
     """A plan of one attention launch whose tokens are split (8 unshared decodes of 1024 tokens):
     on Hopper its merge is a programmatic dependent launch that starts before the attention launch
     ends and waits for it in the kernel. Eager and replayed with fresh queries, every output
     matches the float64 reference (without the wait the merge read the previous queries' partial
-    rows on the H200: relative errors 0.5-3)."""
-    page_size, hq, hkv, d, requests = 16, 32, 8, 128, 8
+    rows on the H200: relative errors 0.5-3). At d256 the launch has more programs than work, the
+    extra ones idle (the fixed plans' grid)."""
+    page_size, hkv, requests = 16, 8, 8
     pages = np.random.default_rng(2).permutation(64 * requests).astype(np.int32)
     tables = [pages[64 * r : 64 * (r + 1)] for r in range(requests)]
     kv_lens, qo_lens = [64 * page_size] * requests, [1] * requests
@@ -962,4 +964,6 @@ def test_gpu_merge_after_one_launch_waits_for_it():
     backend = TritonBackend("cuda")
     backend.plan(plan, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, q_dtype=torch.bfloat16)
     assert len(backend._launches) == 1 and backend._merges > 0
+    (launch,) = backend._launches
+    assert (launch.num_programs > int(launch.num_work.item()) * hkv) == (d > 128)
     _check_fresh_queries(backend, tables, kv_lens, qo_lens, len(pages), page_size, hkv, d)

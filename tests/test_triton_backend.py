@@ -439,6 +439,39 @@ def test_a_lone_level_of_decodes_filling_a_wave_runs_on_its_own_tile(capacity, m
     assert items.shape[0] * 8 == 512
 
 
+def test_an_exact_plan_of_one_launch_over_128_dims_takes_the_fixed_grid() -> None:
+    """At head dim 256 a decode program holds an SM (two stages of 64-token K and V tiles): an exact
+    plan whose work runs in one launch gets as many programs as a fixed-capacity launch of its tile,
+    the extra ones idle (the cascade of a 2048-token prefix under 32 requests, 256 own: 512 pairs ->
+    132 SMs x 16). Two launches at d256, and the same batch at d128, keep one program per (item, KV
+    head) pair. Their decode tiles run 8 warps at d256, 4 at d128."""
+
+    def cascade(requests: int, prefix_pages: int) -> CascadePlan:
+        tables = [np.r_[np.arange(prefix_pages), 1000 + 17 * r + np.arange(17)] for r in range(requests)]
+        kv_lens = [16 * (prefix_pages + 16) + 1] * requests
+        plan = CascadePlanner(cost_model=None).plan(tables, kv_lens, [1] * requests, 16)
+        assert len(plan.levels) == 2
+        return plan
+
+    def grids(plan: CascadePlan, heads: dict) -> list[tuple[int, int, int]]:
+        backend = TritonBackend(device="cpu")
+        _gpu_launches(backend, plan, heads)
+        kv_heads = heads["num_kv_heads"]
+        return [
+            (launch.tile.num_warps, int(launch.num_work.item()) * kv_heads, launch.num_programs)
+            for launch in backend._launches
+        ]
+
+    d256 = dict(num_qo_heads=16, num_kv_heads=8, head_dim=256)
+    ((warps, pairs, programs),) = grids(cascade(32, 128), d256)
+    waves = triton_backend.persistent_waves(work.TileConfig(16, 64, 8, 2))
+    assert warps == 8 and pairs < programs == 132 * 4 * waves
+    ((warps, pairs, programs),) = grids(cascade(32, 128), dict(num_qo_heads=32, num_kv_heads=8, head_dim=128))
+    assert warps == 4 and programs == pairs
+    two = grids(cascade(64, 256), dict(num_qo_heads=8, num_kv_heads=2, head_dim=256))
+    assert len(two) == 2 and all(programs == pairs for _, pairs, programs in two)
+
+
 def test_fixed_capacity_replays_a_lone_decode_level_between_other_plans(monkeypatch) -> None:
     """Under a capacity, plans alternate between the lone level's launch (its program threshold
     lowered to reach it at test sizes) and the fixed ones on the same device buffers; every output is

@@ -476,12 +476,20 @@ class TritonBackend(AttentionBackend):
         self._counts = ints[sec.counts : sec.counts + merges]
         self._ext_rows = ints[sec.ext : sec.ext + 3 * merges]
         sms = num_sms(self.device)
+        # An exact plan's only launch at head dims over 128 (one program per SM) takes the fixed
+        # plans' grid, its extra programs idle: on the H200 d256 decodes and cascades ran 0-5% faster
+        # (the grid's d256 cascade 57.2 -> 54.1 µs, as its fixed-capacity plan), two launches of it up
+        # to 10% slower and head dim 128 0-4% slower (benchmarks/NOTES.md, attempt 39).
+        padded = exact and self.head_dim > 128 and sum(n > 0 for n in sec.work_items) == 1
         self._launches = []
         for i, (tile, items) in enumerate(zip(tiles, sec.work_items, strict=True)):
             pairs = items * self.num_kv_heads
             # Exact plans: one program per (item, KV head). Fixed plans: a persistent grid sized to
             # the device, looping over whatever number of items the current plan wrote.
-            programs = pairs if exact else min(pairs, sms * tile.resident_per_sm() * persistent_waves(tile))
+            grid = sms * tile.resident_per_sm() * persistent_waves(tile)
+            programs = pairs if exact else min(pairs, grid)
+            if padded and pairs:
+                programs = max(pairs, grid)
             if programs == 0:
                 continue
             work = ints[sec.work[i] : sec.work[i] + items * WORK_COLS].view(items, WORK_COLS)
