@@ -47,7 +47,8 @@ class TileConfig:
 
     def resident_per_sm(self) -> int:
         """Programs of this shape one SM holds at once (registers and shared memory of the sm_90
-        builds: 1 at 128 rows, 2 at 64, 4 below)."""
+        builds: 1 at 128 rows, 2 at 64, 4 below). Nominal at head dims over 128, where a decode tile's
+        K and V stages hold an SM alone: splits and fixed grids were measured with these counts."""
         return 1 if self.block_m >= 128 else 2 if self.block_m >= 64 else 4
 
 
@@ -85,7 +86,9 @@ def _tile_config(rows: int, group_size: int, head_dim: int, page_size: int, inte
     # GPU time on long d256 decodes, 4% on 8 x 1024, a shared-prefix cascade within 2%; 64 on the
     # wider tiles cost d256 prefill 8-31% (attempt 21). Those d256 decode tiles run 8 warps: 2-5%
     # less GPU time on d256 decodes and cascades of up to 1024 tokens per request replayed, 1-2%
-    # more on 64 x 2048 (attempt 39).
+    # more on 64 x 2048. Exact plans on 8 warps alone lost 1.5% on a cascade of two launches and 7%
+    # on one of one launch, which gains 3% with the fixed plans' grid (``TritonBackend._bind``;
+    # attempt 39).
     wide = block_m >= 128
     stages = 2 if block_d > 128 or wide or (block_m <= 16 and page_size >= 16) else 3
     return TileConfig(

@@ -346,6 +346,7 @@ def _split_lengths(
         )
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(work, "interpreting", lambda: False)
+        mp.setattr(triton_backend, "interpreting", lambda: False)
         backend.plan(plan, **heads, q_dtype=torch.bfloat16)
         items = [launch.work.numpy()[: int(launch.num_work.item())] for launch in backend._launches]
     return {int(n) for work_list in items for n in work_list[:, work.KV1] - work_list[:, work.KV0]}
@@ -376,6 +377,7 @@ def _gpu_launches(backend: TritonBackend, plan: CascadePlan, heads: dict) -> lis
     """(tile, work items) of each launch the plan runs, scheduled for the GPU's tiles on the CPU."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(work, "interpreting", lambda: False)
+        mp.setattr(triton_backend, "interpreting", lambda: False)
         backend.plan(plan, **heads, q_dtype=torch.bfloat16)
     launches = backend._launches
     if backend.capacity is not None:
@@ -441,10 +443,11 @@ def test_a_lone_level_of_decodes_filling_a_wave_runs_on_its_own_tile(capacity, m
 
 def test_an_exact_plan_of_one_launch_over_128_dims_takes_the_fixed_grid() -> None:
     """At head dim 256 a decode program holds an SM (two stages of 64-token K and V tiles): an exact
-    plan whose work runs in one launch gets as many programs as a fixed-capacity launch of its tile,
-    the extra ones idle (the cascade of a 2048-token prefix under 32 requests, 256 own: 512 pairs ->
-    132 SMs x 16). Two launches at d256, and the same batch at d128, keep one program per (item, KV
-    head) pair. Their decode tiles run 8 warps at d256, 4 at d128."""
+    plan whose work runs in one decode launch gets at least as many programs as a fixed-capacity
+    launch of its tile, the extra ones idle (the cascade of a 2048-token prefix under 32 requests,
+    256 own: 512 pairs -> 132 SMs x 16), and one program per pair where it has more (512 decodes:
+    4096 pairs). Two launches at d256, a prefill launch, the same cascade at d128 and the
+    interpreter keep one program per (item, KV head) pair. The decode tiles run 8 warps at d256, 4 at d128."""
 
     def cascade(requests: int, prefix_pages: int) -> CascadePlan:
         tables = [np.r_[np.arange(prefix_pages), 1000 + 17 * r + np.arange(17)] for r in range(requests)]
@@ -453,9 +456,12 @@ def test_an_exact_plan_of_one_launch_over_128_dims_takes_the_fixed_grid() -> Non
         assert len(plan.levels) == 2
         return plan
 
-    def grids(plan: CascadePlan, heads: dict) -> list[tuple[int, int, int]]:
+    def grids(plan: CascadePlan, heads: dict, gpu: bool = True) -> list[tuple[int, int, int]]:
         backend = TritonBackend(device="cpu")
-        _gpu_launches(backend, plan, heads)
+        if gpu:
+            _gpu_launches(backend, plan, heads)
+        else:
+            backend.plan(plan, **heads, q_dtype=torch.bfloat16)
         kv_heads = heads["num_kv_heads"]
         return [
             (launch.tile.num_warps, int(launch.num_work.item()) * kv_heads, launch.num_programs)
@@ -463,13 +469,22 @@ def test_an_exact_plan_of_one_launch_over_128_dims_takes_the_fixed_grid() -> Non
         ]
 
     d256 = dict(num_qo_heads=16, num_kv_heads=8, head_dim=256)
-    ((warps, pairs, programs),) = grids(cascade(32, 128), d256)
     waves = triton_backend.persistent_waves(work.TileConfig(16, 64, 8, 2))
-    assert warps == 8 and pairs < programs == 132 * 4 * waves
+    fixed_grid = triton_backend.num_sms(torch.device("cpu")) * 4 * waves
+    ((warps, pairs, programs),) = grids(cascade(32, 128), d256)
+    assert warps == 8 and pairs < programs == fixed_grid
+    many = CascadePlanner(cost_model=None).plan([[r] for r in range(512)], [16] * 512, [1] * 512, 16)
+    ((warps, pairs, programs),) = grids(many, d256)
+    assert fixed_grid < pairs == programs
     ((warps, pairs, programs),) = grids(cascade(32, 128), dict(num_qo_heads=32, num_kv_heads=8, head_dim=128))
     assert warps == 4 and programs == pairs
     two = grids(cascade(64, 256), dict(num_qo_heads=8, num_kv_heads=2, head_dim=256))
     assert len(two) == 2 and all(programs == pairs for _, pairs, programs in two)
+    prefill = CascadePlanner(cost_model=None).plan([list(range(32))], [512], [512], 16)
+    ((_, pairs, programs),) = grids(prefill, d256)
+    assert programs == pairs
+    interpreted = grids(cascade(32, 128), d256, gpu=False)
+    assert interpreted and all(programs == pairs for _, pairs, programs in interpreted)
 
 
 def test_fixed_capacity_replays_a_lone_decode_level_between_other_plans(monkeypatch) -> None:

@@ -60,7 +60,7 @@ from prefix_cache.kernels.work import (
     longest_first,
     tile_configs,
 )
-from prefix_cache.kv_split import min_split_tokens
+from prefix_cache.kv_split import DECODE_TILE_ROWS, min_split_tokens
 
 # A shared (non-causal) level joins the decode tokens' launch on the narrow tile when it has at most
 # SHARED_ON_NARROW_ROWS rows per group, its narrow M tiles read at most SHARED_ON_NARROW_READS KV
@@ -75,7 +75,8 @@ SHARED_ON_NARROW_READS = 1 << 25
 
 
 def persistent_waves(tile: TileConfig) -> int:
-    """Waves of the device's resident programs a fixed-capacity launch of ``tile`` runs; they loop
+    """Waves of the device's resident programs a fixed-capacity launch of ``tile`` runs (and an exact
+    plan's padded d256 decode launch, ``_bind``); they loop
     over whatever (item, KV head) pairs the current plan wrote. An H200 sweep (benchmarks/NOTES.md,
     attempt 12): more waves of wide tiles cut prefill by 4-10% (long causal items balance better),
     while every extra wave of idle decode programs costs a small decode about 1 µs."""
@@ -476,19 +477,23 @@ class TritonBackend(AttentionBackend):
         self._counts = ints[sec.counts : sec.counts + merges]
         self._ext_rows = ints[sec.ext : sec.ext + 3 * merges]
         sms = num_sms(self.device)
-        # An exact plan's only launch at head dims over 128 (one program per SM) takes the fixed
-        # plans' grid, its extra programs idle: on the H200 d256 decodes and cascades ran 0-5% faster
-        # (the grid's d256 cascade 57.2 -> 54.1 µs, as its fixed-capacity plan), two launches of it up
-        # to 10% slower and head dim 128 0-4% slower (benchmarks/NOTES.md, attempt 39).
-        padded = exact and self.head_dim > 128 and sum(n > 0 for n in sec.work_items) == 1
+        # An exact plan's only launch, on a decode tile at head dims over 128 (its two stages of K and
+        # V hold an SM alone), takes the fixed plans' grid, its extra programs idle: on the H200 d256
+        # decodes and cascades ran up to 5% faster (the grid's d256 cascade 57.2 -> 54.1 µs, as its
+        # fixed-capacity plan; 1 x 256 1.5% slower), plans of two launches up to 10% slower and head
+        # dim 128 0-4% slower (benchmarks/NOTES.md, attempt 39). Prefill tiles were not measured.
+        padded = (
+            exact and self.head_dim > 128 and not interpreting() and sum(n > 0 for n in sec.work_items) == 1
+        )
         self._launches = []
         for i, (tile, items) in enumerate(zip(tiles, sec.work_items, strict=True)):
             pairs = items * self.num_kv_heads
-            # Exact plans: one program per (item, KV head). Fixed plans: a persistent grid sized to
-            # the device, looping over whatever number of items the current plan wrote.
+            # Exact plans: one program per (item, KV head), but the padded launch above. Fixed plans:
+            # a persistent grid sized to the device, looping over whatever number of items the
+            # current plan wrote.
             grid = sms * tile.resident_per_sm() * persistent_waves(tile)
             programs = pairs if exact else min(pairs, grid)
-            if padded and pairs:
+            if padded and pairs and tile.block_m <= DECODE_TILE_ROWS:
                 programs = max(pairs, grid)
             if programs == 0:
                 continue
