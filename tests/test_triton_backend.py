@@ -460,8 +460,11 @@ def test_an_exact_plan_of_one_launch_over_128_dims_takes_the_fixed_grid() -> Non
         backend = TritonBackend(device="cpu")
         if gpu:
             _gpu_launches(backend, plan, heads)
-        else:
-            backend.plan(plan, **heads, q_dtype=torch.bfloat16)
+        else:  # the interpreter's tiles and grids, whatever this machine runs
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(work, "interpreting", lambda: True)
+                mp.setattr(triton_backend, "interpreting", lambda: True)
+                backend.plan(plan, **heads, q_dtype=torch.bfloat16)
         kv_heads = heads["num_kv_heads"]
         return [
             (launch.tile.num_warps, int(launch.num_work.item()) * kv_heads, launch.num_programs)
