@@ -1,6 +1,7 @@
 """The Triton backend's plan side: what it refuses, the checks a run makes against the plan, splits
 and fixed capacities (the kernels run in Triton's interpreter on the CPU)."""
 
+import contextlib
 import math
 
 import numpy as np
@@ -329,6 +330,16 @@ def test_fixed_capacity_keeps_its_sm_scale() -> None:
         backend.plan(plan, **HEADS, sm_scale=0.25)
 
 
+@contextlib.contextmanager
+def _tiles_of(interpreter: bool):
+    """Plans made inside take the interpreter's tiles and grids (``interpreter``) or a GPU's, whatever
+    this machine runs (CPU tensors count an H200's SMs)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(work, "interpreting", lambda: interpreter)
+        mp.setattr(triton_backend, "interpreting", lambda: interpreter)
+        yield
+
+
 def _split_lengths(
     plan: CascadePlan, heads: dict, capacity: GraphCapacity | None = None, fa3: bool = False
 ) -> set[int]:
@@ -344,9 +355,7 @@ def _split_lengths(
         backend._shared_levels = SharedLevelsOnFlashInfer(
             flashinfer_stand_in, backend.device, rule, capacity=capacity
         )
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(work, "interpreting", lambda: False)
-        mp.setattr(triton_backend, "interpreting", lambda: False)
+    with _tiles_of(interpreter=False):
         backend.plan(plan, **heads, q_dtype=torch.bfloat16)
         items = [launch.work.numpy()[: int(launch.num_work.item())] for launch in backend._launches]
     return {int(n) for work_list in items for n in work_list[:, work.KV1] - work_list[:, work.KV0]}
@@ -375,9 +384,7 @@ def test_a_lone_level_of_decodes_splits_finer_than_a_cascade(capacity) -> None:
 
 def _gpu_launches(backend: TritonBackend, plan: CascadePlan, heads: dict) -> list[tuple]:
     """(tile, work items) of each launch the plan runs, scheduled for the GPU's tiles on the CPU."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(work, "interpreting", lambda: False)
-        mp.setattr(triton_backend, "interpreting", lambda: False)
+    with _tiles_of(interpreter=False):
         backend.plan(plan, **heads, q_dtype=torch.bfloat16)
     launches = backend._launches
     if backend.capacity is not None:
@@ -458,13 +465,8 @@ def test_an_exact_plan_of_one_launch_over_128_dims_takes_the_fixed_grid() -> Non
 
     def grids(plan: CascadePlan, heads: dict, gpu: bool = True) -> list[tuple[int, int, int]]:
         backend = TritonBackend(device="cpu")
-        if gpu:
-            _gpu_launches(backend, plan, heads)
-        else:  # the interpreter's tiles and grids, whatever this machine runs
-            with pytest.MonkeyPatch.context() as mp:
-                mp.setattr(work, "interpreting", lambda: True)
-                mp.setattr(triton_backend, "interpreting", lambda: True)
-                backend.plan(plan, **heads, q_dtype=torch.bfloat16)
+        with _tiles_of(interpreter=not gpu):
+            backend.plan(plan, **heads, q_dtype=torch.bfloat16)
         kv_heads = heads["num_kv_heads"]
         return [
             (launch.tile.num_warps, int(launch.num_work.item()) * kv_heads, launch.num_programs)
@@ -889,8 +891,7 @@ def test_the_cost_model_counts_the_launches_the_backend_makes(
     planner = CascadePlanner(min_shared_tokens=1, min_saved_tokens=1, cost_model=None)
     plan = planner.plan(tables, kv_lens, qo_lens, 16)
     backend = TritonBackend(device="cpu")  # CPU tensors: an H200's SM count
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(work, "interpreting", lambda: False)
+    with _tiles_of(interpreter=False):
         backend.plan(plan, num_qo_heads=32, num_kv_heads=8, head_dim=128)
     launches = sum(int(launch.num_work.item()) > 0 for launch in backend._launches)
     assert CostModel.load().features(plan).launches == launches

@@ -76,10 +76,10 @@ SHARED_ON_NARROW_READS = 1 << 25
 
 def persistent_waves(tile: TileConfig) -> int:
     """Waves of the device's resident programs a fixed-capacity launch of ``tile`` runs (and an exact
-    plan's padded d256 decode launch, ``_bind``); they loop
-    over whatever (item, KV head) pairs the current plan wrote. An H200 sweep (benchmarks/NOTES.md,
-    attempt 12): more waves of wide tiles cut prefill by 4-10% (long causal items balance better),
-    while every extra wave of idle decode programs costs a small decode about 1 µs."""
+    plan's padded d256 decode launch, ``_bind``); they loop over whatever (item, KV head) pairs the
+    current plan wrote. An H200 sweep (benchmarks/NOTES.md, attempt 12): more waves of wide tiles cut
+    prefill by 4-10% (long causal items balance better), while every extra wave of idle decode
+    programs costs a small decode about 1 µs."""
     return 4 if tile.resident_per_sm() >= 4 else 8
 
 
