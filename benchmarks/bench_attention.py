@@ -23,7 +23,11 @@ Per case (a batch: requests over a sharing tree of prefixes, shuffled physical p
 Every arm is first checked against an fp32 reference computed request by request from the page
 tables (relative max error printed; an arm over 2e-2 is reported and left out of the comparisons).
 Times are medians of ``triton.testing.do_bench`` (L2 flushed before each run); host µs is the time
-``run`` takes on the host when the GPU is not the bottleneck. The bound is max(distinct KV bytes /
+``run`` takes on the host when the GPU is not the bottleneck; layer µs is the wall time per ``run``
+of LAYERS runs called back to back and synchronised once, as an engine runs a step's layers eagerly:
+the larger of the host and the GPU time per layer, where ``do_bench``'s L2 flush between calls hides
+a host time up to the flush's own GPU time (the same inputs every layer, so a small batch's KV stays
+in L2; arms slower than 2 ms eager are not run this way). The bound is max(distinct KV bytes /
 measured copy bandwidth, attention FLOPs / measured bf16 matrix rate).
 
 Usage: ``python benchmarks/bench_attention.py [--peers DIR] [--out DIR] [--cases SUBSTRING ...]``;
@@ -212,6 +216,25 @@ def host_us(fn: Callable[[], object], cuda: bool, calls: int = 30) -> float:
     if cuda:
         torch.cuda.synchronize()
     return elapsed / calls * 1e6
+
+
+LAYERS = 32
+
+
+def layer_us(fn: Callable[[], object], eager_ms: float) -> float | None:
+    """Wall µs per call of LAYERS calls of ``fn`` in a row, one sync at the end (median of a few
+    rounds); None for an arm slower than 2 ms eager, whose layers are GPU-bound anyway."""
+    if eager_ms > 2.0:
+        return None
+    rounds = []
+    for _ in range(10 if eager_ms < 0.2 else 3):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(LAYERS):
+            fn()
+        torch.cuda.synchronize()
+        rounds.append((time.perf_counter() - t0) / LAYERS * 1e6)
+    return sorted(rounds)[len(rounds) // 2]
 
 
 def measure_ceilings() -> tuple[float, float]:
@@ -441,8 +464,8 @@ def bench_case(case: Case, peers, cuda: bool, dtype, ceilings, flashinfer_head_d
 
 
 def measure(arm: Arm, ref: torch.Tensor, ref_scale: float, cuda: bool) -> dict:
-    """One arm's entry: ``rel_err`` and eager ``ms`` (``host_us``), then each CUDA-graph time with
-    the relative error of the graph's own replayed output (``graph_ms`` / ``graph_rel_err``, and for
+    """One arm's entry: ``rel_err`` and eager ``ms`` (``host_us``, ``layer_us``), then each CUDA-graph
+    time with the relative error of the graph's own replayed output (``graph_ms`` / ``graph_rel_err``, and for
     a FlashInfer CUDA-graph wrapper also ``fixed_plan_graph_ms`` / ``fixed_plan_graph_rel_err``). A
     wrong output or an exception is recorded under ``error`` (eager: the arm then has no times) or
     ``graph_error`` / ``fixed_plan_graph_error`` (that time alone is missing)."""
@@ -462,6 +485,8 @@ def measure(arm: Arm, ref: torch.Tensor, ref_scale: float, cuda: bool) -> dict:
         entry["ms"] = time_ms(arm.run, cuda)
         if arm.host:
             entry["host_us"] = host_us(arm.run, cuda)
+        if cuda:
+            entry["layer_us"] = layer_us(arm.run, entry["ms"])
     except Exception as error:
         entry["error"] = f"{type(error).__name__}: {error}"[:300]
         return entry
@@ -541,10 +566,13 @@ def derive(row: dict) -> dict:
         # beside its CUDA-graph ones, the cascade arm's only capture; then the fastest capture of any
         # kind of any other arm.
         best_flashinfer_fixed_plan_graph_ms=min(
-            (ms for r in fi if (ms := r.get("fixed_plan_graph_ms" if _ran_graph_wrapper(r) else "graph_ms"))),
+            (t for r in fi if (t := r.get("fixed_plan_graph_ms" if _ran_graph_wrapper(r) else "graph_ms"))),
             default=None,
         ),
         best_other_any_graph_ms=best(others, "graph_ms", "fixed_plan_graph_ms"),
+        ours_layer_us=ms("ours", "layer_us"),
+        triton_layer_us=ms("triton", "layer_us"),
+        best_other_layer_us=best(others, "layer_us"),
         host_us=results.get("ours", {}).get("host_us"),
         triton_host_us=results.get("triton", {}).get("host_us"),
         flashinfer_host_us=fastest_fi.get("host_us"),
@@ -575,8 +603,10 @@ def markdown(rows: list[dict]) -> str:
         "best FlashInfer eager / graph / fixed-plan graph | best other eager / graph | bound | "
         "ours / best other (eager, graph, graph vs any capture) | ours / bound (eager, graph) | "
         "triton / best other (eager, fixed-plan graph vs any capture) | "
-        "host µs (auto, triton, best FlashInfer) |\n|" + "---|" * 14
+        "host µs (auto, triton, best FlashInfer) | "
+        f"µs per layer, {LAYERS} eager runs in a row (ours, triton, best other; ours / best other) |"
     )
+    head += "\n|" + "---|" * 15
     lines = [head]
     for r in rows:
         ratio_e = r["ours_ms"] / r["best_peer_ms"] if r["ours_ms"] and r["best_peer_ms"] else None
@@ -587,6 +617,8 @@ def markdown(rows: list[dict]) -> str:
         )
         any_capture = r.get("best_other_any_graph_ms")
         ratio_any = r["ours_graph_ms"] / any_capture if r["ours_graph_ms"] and any_capture else None
+        ours_layer, other_layer = r.get("ours_layer_us"), r.get("best_other_layer_us")
+        ratio_layer = ours_layer / other_layer if ours_layer and other_layer else None
         bound = r["bound_ms"]
         to_bound = [r[k] / bound if r[k] and bound else None for k in ("ours_ms", "ours_graph_ms")]
         # The pure-Triton backend (no FlashInfer) on the planner's plan; its graph is a capture with
@@ -603,26 +635,30 @@ def markdown(rows: list[dict]) -> str:
             f"{_f(to_bound[0], '{:.2f}')}, {_f(to_bound[1], '{:.2f}')} | "
             f"{_f(triton_e, '{:.2f}')}, {_f(triton_g, '{:.2f}')} | "
             f"{_f(r['host_us'], '{:.0f}')}, {_f(r['triton_host_us'], '{:.0f}')}, "
-            f"{_f(r.get('flashinfer_host_us'), '{:.0f}')} |"
+            f"{_f(r.get('flashinfer_host_us'), '{:.0f}')} | "
+            f"{_f(r.get('ours_layer_us'), '{:.0f}')}, {_f(r.get('triton_layer_us'), '{:.0f}')}, "
+            f"{_f(r.get('best_other_layer_us'), '{:.0f}')}; {_f(ratio_layer, '{:.2f}')} |"
         )
     return "\n".join(lines)
 
 
 def arms_markdown(rows: list[dict]) -> str:
     lines = [
-        "| case | arm | eager ms | graph ms | fixed-plan graph ms | host µs | rel. error | note |",
-        "|---|---|---|---|---|---|---|---|",
+        "| case | arm | eager ms | graph ms | fixed-plan graph ms | host µs | µs per layer | rel. error "
+        "| note |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         for name, a in r["arms"].items():
             lines.append(
                 f"| {r['case']} | {name} | {_f(a.get('ms'), '{:.4f}')} | {_f(a.get('graph_ms'), '{:.4f}')} | "
                 f"{_f(a.get('fixed_plan_graph_ms'), '{:.4f}')} | "
-                f"{_f(a.get('host_us'), '{:.0f}')} | {_f(a.get('rel_err'), '{:.1e}')} | "
+                f"{_f(a.get('host_us'), '{:.0f}')} | {_f(a.get('layer_us'), '{:.0f}')} | "
+                f"{_f(a.get('rel_err'), '{:.1e}')} | "
                 f"{a.get('error', a.get('note', ''))} |"
             )
         for name, why in r["skipped"].items():
-            lines.append(f"| {r['case']} | {name} | - | - | - | - | - | skipped: {why} |")
+            lines.append(f"| {r['case']} | {name} | - | - | - | - | - | - | skipped: {why} |")
     return "\n".join(lines)
 
 
