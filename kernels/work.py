@@ -47,8 +47,9 @@ class TileConfig:
 
     def resident_per_sm(self) -> int:
         """Programs of this shape one SM holds at once (registers and shared memory of the sm_90
-        builds: 1 at 128 rows, 2 at 64, 4 below). Nominal at head dims over 128, where a decode tile's
-        K and V stages hold an SM alone: splits and fixed grids were measured with these counts."""
+        builds: 1 at 128 rows, 2 at 64, 4 below). Nominal at head dims over 128: the d256 decode tile
+        (8 warps of 128 registers) fits 2 per SM; splits and fixed grids were measured with these
+        counts (benchmarks/NOTES.md, attempts 39-40)."""
         return 1 if self.block_m >= 128 else 2 if self.block_m >= 64 else 4
 
 
