@@ -59,6 +59,7 @@ def _kv_tile(
     PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     MASK: tl.constexpr,  # False: every KV position of the tile is < kv_hi and visible to every row
+    OFFSETS_64: tl.constexpr,  # K/V offsets in 64 bits (a pool of 2**31 elements or more)
 ):  # fmt: skip
     """One KV tile of the online softmax: (acc, m, l) updated with KV tokens [start, start + BLOCK_N)."""
     offs_n = start + tl.arange(0, BLOCK_N)
@@ -66,9 +67,11 @@ def _kv_tile(
     n_ok = offs_n < kv_hi
     # Token n of the segment lives in page kv_indices[page0 + n // PAGE_SIZE], slot n % PAGE_SIZE.
     if MASK:
-        page = tl.load(kv_indices_ptr + page0 + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
+        page = tl.load(kv_indices_ptr + page0 + offs_n // PAGE_SIZE, mask=n_ok, other=0)
     else:
-        page = tl.load(kv_indices_ptr + page0 + offs_n // PAGE_SIZE).to(tl.int64)
+        page = tl.load(kv_indices_ptr + page0 + offs_n // PAGE_SIZE)
+    if OFFSETS_64:
+        page = page.to(tl.int64)
     slot = offs_n % PAGE_SIZE
     k_ptrs = k_head + (page * stride_k_page + slot * stride_k_slot)[:, None] + offs_d[None, :]
     v_ptrs = v_head + (page * stride_v_page + slot * stride_v_slot)[:, None] + offs_d[None, :]
@@ -144,6 +147,9 @@ def _attention_kernel(
     # Launched before a merge with programmatic dependent launch: the merge's programs may start
     # once every program here has (``dependent_launches``).
     LAUNCH_DEPENDENTS: tl.constexpr,
+    # K and V offsets (page x page stride + slot x slot stride + d) in 64 bits: for pools whose
+    # views span 2**31 elements or more (``offsets_need_64_bits``); 32-bit offsets otherwise.
+    OFFSETS_64: tl.constexpr,
 ):
     if LAUNCH_DEPENDENTS:
         gdc_launch_dependents()
@@ -187,23 +193,24 @@ def _attention_kernel(
         v_head = v_ptr + kv_head.to(tl.int64) * stride_v_head
         # KV tiles that every row of the tile sees whole (before kv_hi and at or below the first
         # token's diagonal) run without masks; the rest (the diagonal, the ragged end) with them.
-        # Only for tiles of many rows (prefill, shared levels: 6-14% less GPU time on the H200);
-        # decode tiles of 16 rows keep the one masked loop, which measured faster on long decodes
-        # (benchmarks/NOTES.md, attempt 8).
+        # Only for tiles of many rows (prefill, shared levels: 6-14% less GPU time on the H200) and
+        # d256 decode tiles (on 4 warps: 3-8% less on d256 decodes and cascades, attempt 41); decode
+        # tiles of 16 rows up to head dim 128 keep the one masked loop, which measured faster on
+        # long decodes (benchmarks/NOTES.md, attempt 8).
         full_hi = kv0
-        if BLOCK_M > 16:
+        if BLOCK_M > 16 or BLOCK_D > 128:
             full_hi = kv0 + tl.maximum(tl.minimum(kv_hi, q0 + diag + 1) - kv0, 0) // BLOCK_N * BLOCK_N
         for start in range(kv0, full_hi, BLOCK_N):
             acc, m_i, l_i = _kv_tile(
                 acc, m_i, l_i, q, start, kv_hi, tok, diag, kv_indices_ptr, page0, k_head, v_head,
                 stride_k_page, stride_k_slot, stride_v_page, stride_v_slot, qk_scale,
-                PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, UPCAST, DOT_PRECISION, False,
+                PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, UPCAST, DOT_PRECISION, False, OFFSETS_64,
             )  # fmt: skip
         for start in range(full_hi, kv_hi, BLOCK_N):
             acc, m_i, l_i = _kv_tile(
                 acc, m_i, l_i, q, start, kv_hi, tok, diag, kv_indices_ptr, page0, k_head, v_head,
                 stride_k_page, stride_k_slot, stride_v_page, stride_v_slot, qk_scale,
-                PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, UPCAST, DOT_PRECISION, True,
+                PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, UPCAST, DOT_PRECISION, True, OFFSETS_64,
             )  # fmt: skip
 
         empty = l_i == 0.0
@@ -251,21 +258,20 @@ class AttentionLaunch:
         before_merge: bool = False,
     ) -> None:
         upcast = interpreting() or dtype == torch.float32
-        self._kernel = BoundKernel(
-            _attention_kernel,
-            (num_programs,),
-            dict(
-                NUM_KV_HEADS=num_kv_heads, PAGE_SIZE=page_size, GROUP_SIZE=group_size,
-                TILE_Q=tile.block_m // group_size, HEAD_DIM=head_dim, BLOCK_M=tile.block_m,
-                BLOCK_N=tile.block_n, BLOCK_D=max(16, next_pow2(head_dim)), UPCAST=upcast,
-                DOT_PRECISION="ieee" if upcast else "tf32", LAUNCH_DEPENDENTS=before_merge,
-                num_warps=tile.num_warps,
-                # fp32 tiles are twice the bytes of the fp16/bf16 ones the block sizes were chosen
-                # for: no multi-stage KV buffering, so they still fit in shared memory (fp32 is for
-                # checks).
-                num_stages=1 if dtype == torch.float32 else tile.num_stages,
-            ),
+        constants = dict(
+            NUM_KV_HEADS=num_kv_heads, PAGE_SIZE=page_size, GROUP_SIZE=group_size,
+            TILE_Q=tile.block_m // group_size, HEAD_DIM=head_dim, BLOCK_M=tile.block_m,
+            BLOCK_N=tile.block_n, BLOCK_D=max(16, next_pow2(head_dim)), UPCAST=upcast,
+            DOT_PRECISION="ieee" if upcast else "tf32", LAUNCH_DEPENDENTS=before_merge,
+            num_warps=tile.num_warps,
+            # fp32 tiles are twice the bytes of the fp16/bf16 ones the block sizes were chosen for:
+            # no multi-stage KV buffering, so they still fit in shared memory (fp32 is for checks).
+            num_stages=1 if dtype == torch.float32 else tile.num_stages,
         )  # fmt: skip
+        # By the KV pool of the layer (``offsets_need_64_bits``): 32-bit offsets, then 64-bit ones.
+        self._kernels = tuple(
+            BoundKernel(_attention_kernel, (num_programs,), dict(constants, OFFSETS_64=wide)) for wide in (False, True)
+        )
         self._plan_key = CachedSpecialization()
 
     def __call__(
@@ -292,9 +298,23 @@ class AttentionLaunch:
         # The plan's buffers are the same objects for every layer: only the layer's tensors are read.
         plan = (q_rows, kv_indices, work, num_work, o_rows, out, lse)
         key = (self._plan_key(*plan), *specialization((q, k, v, final)), *scalars)
-        self._kernel.launch(
-            key, (q, q_rows, k, v, kv_indices, work, num_work, o_rows, out, lse, final, *scalars)
-        )
+        kernel = self._kernels[offsets_need_64_bits(k, v)]
+        kernel.launch(key, (q, q_rows, k, v, kv_indices, work, num_work, o_rows, out, lse, final, *scalars))
+
+
+def offsets_need_64_bits(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the attention kernel computes K and V offsets in 64 bits for these K and V views
+    ``[num_pages, page_size, H, D]``: when the last element of either lies 2**31 elements or more past
+    its first (offsets are taken from each view's own first element, wherever its storage starts).
+    32-bit offsets otherwise: 0-13% less GPU time on the H200 (prefill most, decode of long shared
+    prefixes 3-10%; benchmarks/NOTES.md, attempt 41)."""
+    return _extent(k.shape, k.stride()) > 2**31 or _extent(v.shape, v.stride()) > 2**31
+
+
+def _extent(shape: torch.Size, stride: tuple[int, ...]) -> int:
+    """One past the offset of a 4-D view's last element from its first (torch strides are not
+    negative)."""
+    return (shape[0] - 1) * stride[0] + (shape[1] - 1) * stride[1] + (shape[2] - 1) * stride[2] + shape[3]
 
 
 def launch_attention(

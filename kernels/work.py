@@ -47,9 +47,9 @@ class TileConfig:
 
     def resident_per_sm(self) -> int:
         """Programs of this shape one SM holds at once (registers and shared memory of the sm_90
-        builds: 1 at 128 rows, 2 at 64, 4 below). Nominal at head dims over 128: the d256 decode tile
-        (8 warps of 128 registers) fits 2 per SM; splits and fixed grids were measured with these
-        counts (benchmarks/NOTES.md, attempts 39-40)."""
+        builds: 1 at 128 rows, 2 at 64, 4 below). Nominal at head dims over 128, where the d256 decode
+        tile fits fewer; splits and fixed grids were measured with these counts (benchmarks/NOTES.md,
+        attempts 39-41)."""
         return 1 if self.block_m >= 128 else 2 if self.block_m >= 64 else 4
 
 
@@ -85,17 +85,16 @@ def _tile_config(rows: int, group_size: int, head_dim: int, page_size: int, inte
     # and on the long shared prefix, the same elsewhere. benchmarks/NOTES.md, attempts 7 and 8.
     # Head dims over 128 read 32 KV tokens per step, except decode tiles, which read 64: 26-33% less
     # GPU time on long d256 decodes, 4% on 8 x 1024, a shared-prefix cascade within 2%; 64 on the
-    # wider tiles cost d256 prefill 8-31% (attempt 21). Those d256 decode tiles run 8 warps: 2-5%
-    # less GPU time on d256 decodes and cascades of up to 1024 tokens per request replayed, 1-2%
-    # more on 64 x 2048. Exact plans on 8 warps alone lost 1.5% on a cascade of two launches and 7%
-    # on one of one launch, which gains 3% with the fixed plans' grid (``TritonBackend._bind``;
-    # attempt 39).
+    # wider tiles cost d256 prefill 8-31% (attempt 21). Those d256 decode tiles run 4 warps and
+    # their whole KV tiles without masks (``_attention_kernel``): with 32-bit K/V offsets, 3-8% less
+    # GPU time than 8 warps on d256 decodes and cascades, 6% on 64 x 2048 (attempt 41; with 64-bit
+    # offsets 8 warps had measured 2-5% faster, attempt 39).
     wide = block_m >= 128
     stages = 2 if block_d > 128 or wide or (block_m <= 16 and page_size >= 16) else 3
     return TileConfig(
         block_m=block_m,
         block_n=(128 if wide else 64) if block_d <= 128 or block_m <= 16 else 32,
-        num_warps=8 if wide or (block_m <= 16 and block_d > 128) else 4,
+        num_warps=8 if wide else 4,
         num_stages=stages,
     )
 

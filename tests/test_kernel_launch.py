@@ -152,7 +152,11 @@ class RecordingKernel:
 def _keys_tell_every_argument(launch, args: list) -> None:
     """Changing any one argument's alignment (tensors) or value (numbers) gives another key, and
     going back to the first objects gives the first key again."""
-    recorder = launch._kernel = RecordingKernel()
+    recorder = RecordingKernel()
+    if hasattr(launch, "_kernels"):  # an attention launch: its kernels of 32- and 64-bit offsets
+        launch._kernels = (recorder, recorder)
+    else:
+        launch._kernel = recorder
     launch(*args)
     base_key = recorder.calls[-1][0]
     for i, arg in enumerate(args):

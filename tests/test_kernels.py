@@ -12,11 +12,12 @@ import math
 import numpy as np
 import pytest
 import torch
-from prefix_cache.kernels.attention import launch_level, level_attention, plan_level
+from prefix_cache.kernels.attention import launch_level, level_attention, offsets_need_64_bits, plan_level
 from prefix_cache.kernels.kv_append import append_kv
 from prefix_cache.kernels.merge_state import merge_states, merge_states_varlen
 from prefix_cache.kernels.work import tile_config
 
+from prefix_cache.attention.kv_layout import split_kv_cache
 from prefix_cache.attention.triton_backend import GraphCapacity, TritonBackend
 from prefix_cache.cascade import CascadeLevel, CascadePlan
 from prefix_cache.cascade_planner import CascadePlanner
@@ -793,12 +794,53 @@ def test_gpu_append_kv_then_attend():
     assert torch.equal(cache, expected)
 
 
+def test_offsets_need_64_bits_where_a_view_spans_2_31_elements() -> None:
+    """The kernel's K/V offsets are 32-bit only while every element of the K and V views lies within
+    2**31 elements of the view's first: measured from each view's own start (vLLM's halves of a
+    pool of twice that size stay 32-bit), over any strides (HND views), K or V alone. Meta tensors:
+    shapes and strides without memory."""
+    pages_at_limit = 2**31 // (2 * 16 * 8 * 128)  # NHD pool [pages, 2, 16, 8, 128] of 2**31 elements
+
+    def pool(*shape: int) -> torch.Tensor:
+        return torch.empty(shape, dtype=torch.bfloat16, device="meta")
+
+    def wide(kv_cache) -> bool:
+        return offsets_need_64_bits(*split_kv_cache(kv_cache))
+
+    # NHD: K's and V's views of a 2**31-element pool end half a page short of 2**31 elements: 32
+    # bits; one page more reaches past it.
+    assert not wide(pool(pages_at_limit, 2, 16, 8, 128))
+    assert wide(pool(pages_at_limit + 1, 2, 16, 8, 128))
+    # vLLM's [2, pages, ...]: each half is its own view of 2**30 elements.
+    vllm = pool(2, pages_at_limit, 16, 8, 128)
+    assert not wide((vllm[0], vllm[1]))
+    vllm = pool(2, 2 * pages_at_limit + 1, 16, 8, 128)
+    assert wide((vllm[0], vllm[1]))
+    # HND pools [pages, H, page_size, D] passed as transposed views: a 2**31-element pool's last
+    # element sits at offset 2**31 - 1, the most 32 bits hold.
+    hnd = pool(2 * pages_at_limit, 8, 16, 128)
+    assert not wide((hnd.transpose(1, 2), hnd.transpose(1, 2)))
+    hnd = pool(2 * pages_at_limit + 1, 8, 16, 128)
+    assert wide((hnd.transpose(1, 2), hnd.transpose(1, 2)))
+    # Every axis counts: two entries along one axis over rows of 2**30 + 1 elements span 2**31 + 2.
+    assert not offsets_need_64_bits(pool(1, 1, 1, 2**31), pool(1, 1, 1, 2**31))
+    assert offsets_need_64_bits(pool(1, 1, 1, 2**31 + 1), pool(1, 1, 1, 2**31 + 1))
+    for shape in ((2, 1, 1, 2**30 + 1), (1, 2, 1, 2**30 + 1), (1, 1, 2, 2**30 + 1)):
+        assert offsets_need_64_bits(pool(*shape), pool(*shape)), shape
+    # Separate K and V tensors: either one past the limit is enough (here a contiguous K of 2**31
+    # elements, and V a view with twice its page stride).
+    k = pool(2 * pages_at_limit, 16, 8, 128)
+    v = pool(2 * pages_at_limit, 2, 16, 8, 128)[:, 1]
+    assert offsets_need_64_bits(k, v) and offsets_need_64_bits(v, k) and not offsets_need_64_bits(k, k)
+
+
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["nhd", "vllm"])
 def test_gpu_kv_pool_over_2_31_elements(layout):
     """A pool of 2.3e9 elements (4.6 GB bf16): pages near its end sit past element 2**31, so every
-    offset must be computed in 64 bits."""
+    offset must be computed in 64 bits (``offsets_need_64_bits``; the vLLM layout's halves are views
+    of 1.15e9 elements each and run on 32-bit offsets, relative to each half's start)."""
     page_size, hq, hkv, d, num_pages = 16, 32, 8, 128, 70000
     assert num_pages * 2 * page_size * hkv * d > 2**31
     gen = torch.Generator(device="cuda").manual_seed(5)
