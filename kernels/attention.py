@@ -270,7 +270,8 @@ class AttentionLaunch:
         )  # fmt: skip
         # By the KV pool of the layer (``offsets_need_64_bits``): 32-bit offsets, then 64-bit ones.
         self._kernels = tuple(
-            BoundKernel(_attention_kernel, (num_programs,), dict(constants, OFFSETS_64=wide)) for wide in (False, True)
+            BoundKernel(_attention_kernel, (num_programs,), dict(constants, OFFSETS_64=wide))
+            for wide in (False, True)
         )
         self._plan_key = CachedSpecialization()
 
