@@ -59,7 +59,7 @@ def _kv_tile(
     PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     MASK: tl.constexpr,  # False: every KV position of the tile is < kv_hi and visible to every row
-    OFFSETS_64: tl.constexpr,  # K/V offsets in 64 bits (a pool of 2**31 elements or more)
+    OFFSETS_64: tl.constexpr,  # K/V offsets in 64 bits (see _attention_kernel)
 ):  # fmt: skip
     """One KV tile of the online softmax: (acc, m, l) updated with KV tokens [start, start + BLOCK_N)."""
     offs_n = start + tl.arange(0, BLOCK_N)
@@ -70,9 +70,11 @@ def _kv_tile(
         page = tl.load(kv_indices_ptr + page0 + offs_n // PAGE_SIZE, mask=n_ok, other=0)
     else:
         page = tl.load(kv_indices_ptr + page0 + offs_n // PAGE_SIZE)
-    if OFFSETS_64:
-        page = page.to(tl.int64)
     slot = offs_n % PAGE_SIZE
+    if OFFSETS_64:
+        # Both terms: a slot-major pool's slot stride times page_size - 1 may pass 2**31 too.
+        page = page.to(tl.int64)
+        slot = slot.to(tl.int64)
     k_ptrs = k_head + (page * stride_k_page + slot * stride_k_slot)[:, None] + offs_d[None, :]
     v_ptrs = v_head + (page * stride_v_page + slot * stride_v_slot)[:, None] + offs_d[None, :]
     if MASK:
@@ -147,8 +149,9 @@ def _attention_kernel(
     # Launched before a merge with programmatic dependent launch: the merge's programs may start
     # once every program here has (``dependent_launches``).
     LAUNCH_DEPENDENTS: tl.constexpr,
-    # K and V offsets (page x page stride + slot x slot stride + d) in 64 bits: for pools whose
-    # views span 2**31 elements or more (``offsets_need_64_bits``); 32-bit offsets otherwise.
+    # K and V offsets from the KV head's first element (page x page stride + slot x slot stride) in
+    # 64 bits: for K or V views whose last element lies 2**31 elements or more past their first
+    # (``offsets_need_64_bits``); in 32 bits otherwise. The head's offset is 64-bit either way.
     OFFSETS_64: tl.constexpr,
 ):
     if LAUNCH_DEPENDENTS:

@@ -185,6 +185,39 @@ def test_attention_launch_keys_every_argument() -> None:
     _keys_tell_every_argument(launch, args)
 
 
+def test_attention_launch_takes_64_bit_offsets_for_a_pool_past_2_31_elements() -> None:
+    """The same launch runs its 32-bit-offset kernel on a small pool and its 64-bit one where the K
+    or V view reaches 2**31 elements past its first (``offsets_need_64_bits``), call by call. The pool
+    views are meta tensors: shapes and strides, no memory."""
+    from prefix_cache.kernels.attention import AttentionLaunch
+    from prefix_cache.kernels.work import TileConfig
+
+    launch = AttentionLaunch(num_programs=4, group_size=2, tile=TileConfig(16, 16, 1, 1), num_kv_heads=8,
+                             page_size=16, head_dim=128, dtype=torch.float16)  # fmt: skip
+    assert [kernel.constants["OFFSETS_64"] for kernel in launch._kernels] == [False, True]
+    narrow, wide = RecordingKernel(), RecordingKernel()
+    launch._kernels = (narrow, wide)
+    q, out = torch.zeros(3, 16, 128, dtype=torch.float16), torch.zeros(4, 16, 128)
+    ints = [torch.zeros(8, dtype=torch.int32) for _ in range(5)]
+
+    def run(k: torch.Tensor, v: torch.Tensor) -> None:
+        launch(q, ints[0], k, v, ints[1], ints[2], ints[3], ints[4], out, torch.zeros(4, 16),
+               torch.zeros(3, 16, 128, dtype=torch.float16), 0.125)  # fmt: skip
+
+    small = torch.empty(2**17, 16, 8, 128, dtype=torch.float16, device="meta")  # 2**31 elements
+    large = torch.empty(2**17 + 1, 16, 8, 128, dtype=torch.float16, device="meta")
+    expected = []
+    for k, v, kernel in (
+        (small, small, narrow),
+        (small, large, wide),
+        (large, small, wide),
+        (small, small, narrow),
+    ):
+        run(k, v)
+        expected.append(kernel)
+        assert (len(narrow.calls), len(wide.calls)) == (expected.count(narrow), expected.count(wide))
+
+
 def test_merge_launch_keys_every_argument() -> None:
     from prefix_cache.kernels.merge_state import MergeLaunch
 

@@ -767,13 +767,19 @@ def _check_gpu_level(groups, hq, hkv, d, page_size, dtype, causal, seed):
     ("hq", "hkv", "d", "page_size", "dtype"),
     [(16, 8, 256, 16, torch.bfloat16), (8, 2, 256, 1, torch.float16)],
 )
-def test_gpu_level_attention_decode_tiles(hq, hkv, d, page_size, dtype):
-    """Decode only (one query per group, and one group without queries): the level takes the
-    16-row decode tile, which at head dim 256 reads 64 KV tokens per step; long and ragged KV, so
-    the tile's masked tail and the splits are both exercised."""
-    assert tile_config(hq // hkv, hq // hkv, d, page_size).block_n == 64
-    groups = [(1, 2300), (1, 63), (0, 40), (1, 1), (1, 700), (1, 129)]
-    _check_gpu_level(groups, hq, hkv, d, page_size, dtype, False, seed=d + page_size)
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_level_attention_decode_tiles(hq, hkv, d, page_size, dtype, causal):
+    """Groups of at most one tile of query tokens (16 rows: 16 / group size tokens; one per group
+    when not causal, and one group without queries): the level takes the 16-row decode tile, which
+    at head dim 256 reads 64 KV tokens per step, its whole KV tiles unmasked; long and ragged KV, so
+    the masked tail, the causal diagonal inside a tile of several tokens and the splits are all
+    exercised."""
+    group = hq // hkv
+    tile = tile_config(16, group, d, page_size)
+    assert (tile.block_m, tile.block_n) == (16, 64)
+    full = 16 // group if causal else 1
+    groups = [(full, 2300), (min(2, full), 63), (0, 40), (1, 1), (full, 700), (full, 129)]
+    _check_gpu_level(groups, hq, hkv, d, page_size, dtype, causal, seed=d + page_size)
 
 
 @gpu
@@ -811,8 +817,9 @@ def test_offsets_need_64_bits_where_a_view_spans_2_31_elements() -> None:
     # bits; one page more reaches past it.
     assert not wide(pool(pages_at_limit, 2, 16, 8, 128))
     assert wide(pool(pages_at_limit + 1, 2, 16, 8, 128))
-    # vLLM's [2, pages, ...]: each half is its own view of 2**30 elements.
-    vllm = pool(2, pages_at_limit, 16, 8, 128)
+    # vLLM's [2, pages, ...]: each half is its own view, measured from its own first element: halves
+    # of 2**31 elements each (a pool of 2**32) stay 32-bit.
+    vllm = pool(2, 2 * pages_at_limit, 16, 8, 128)
     assert not wide((vllm[0], vllm[1]))
     vllm = pool(2, 2 * pages_at_limit + 1, 16, 8, 128)
     assert wide((vllm[0], vllm[1]))
@@ -827,6 +834,12 @@ def test_offsets_need_64_bits_where_a_view_spans_2_31_elements() -> None:
     assert offsets_need_64_bits(pool(1, 1, 1, 2**31 + 1), pool(1, 1, 1, 2**31 + 1))
     for shape in ((2, 1, 1, 2**30 + 1), (1, 2, 1, 2**30 + 1), (1, 1, 2, 2**30 + 1)):
         assert offsets_need_64_bits(pool(*shape), pool(*shape)), shape
+    # A slot-major pool [page_size, pages, H, D] as [pages, page_size, H, D] views: its page axis
+    # has the small stride, its slot axis the large one.
+    slot_major = pool(16, 2**17 + 1, 8, 128).transpose(0, 1)
+    assert offsets_need_64_bits(slot_major, slot_major)
+    slot_major = pool(16, 2**17, 8, 128).transpose(0, 1)
+    assert not offsets_need_64_bits(slot_major, slot_major)
     # Separate K and V tensors: either one past the limit is enough (here a contiguous K of 2**31
     # elements, and V a view with twice its page stride).
     k = pool(2 * pages_at_limit, 16, 8, 128)
@@ -836,25 +849,37 @@ def test_offsets_need_64_bits_where_a_view_spans_2_31_elements() -> None:
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout", ["nhd", "vllm"])
+@pytest.mark.parametrize("layout", ["nhd", "vllm", "slot-major"])
 def test_gpu_kv_pool_over_2_31_elements(layout):
     """A pool of 2.3e9 elements (4.6 GB bf16): pages near its end sit past element 2**31, so every
     offset must be computed in 64 bits (``offsets_need_64_bits``; the vLLM layout's halves are views
-    of 1.15e9 elements each and run on 32-bit offsets, relative to each half's start)."""
+    of 1.15e9 elements each and run on 32-bit offsets, relative to each half's start). Slot-major:
+    separate K and V tensors of [page_size, pages, H, D], 2.3e9 elements each, passed as
+    [pages, page_size, H, D] views: there the slot's term alone (slot x a stride of 1.43e8) passes
+    2**31 for the last slots of a page."""
     page_size, hq, hkv, d, num_pages = 16, 32, 8, 128, 70000
+    if layout == "slot-major":
+        num_pages *= 2
+        assert (page_size - 1) * num_pages * hkv * d > 2**31
     assert num_pages * 2 * page_size * hkv * d > 2**31
     gen = torch.Generator(device="cuda").manual_seed(5)
-    shape = (num_pages, 2, page_size, hkv, d) if layout == "nhd" else (2, num_pages, page_size, hkv, d)
-    pool = torch.empty(shape, dtype=torch.bfloat16, device="cuda")
+    if layout == "slot-major":  # K and V: two tensors of their own
+        pool = [torch.empty(page_size, num_pages, hkv, d, dtype=torch.bfloat16, device="cuda") for _ in "kv"]
+    else:
+        shape = (num_pages, 2, page_size, hkv, d) if layout == "nhd" else (2, num_pages, page_size, hkv, d)
+        pool = torch.empty(shape, dtype=torch.bfloat16, device="cuda")
     used = torch.arange(num_pages - 300, num_pages, device="cuda")  # the last 300 pages, shuffled
     used = used[torch.randperm(300, generator=gen, device="cuda")]
     values = torch.randn(300, 2, page_size, hkv, d, generator=gen, device="cuda", dtype=torch.bfloat16)
     if layout == "nhd":
         pool[used] = values
         kv_cache = pool
-    else:
+    elif layout == "vllm":
         pool[0, used], pool[1, used] = values[:, 0], values[:, 1]
         kv_cache = (pool[0], pool[1])
+    else:
+        pool[0][:, used], pool[1][:, used] = values[:, 0].transpose(0, 1), values[:, 1].transpose(0, 1)
+        kv_cache = (pool[0].transpose(0, 1), pool[1].transpose(0, 1))
     tables = [used[:200].cpu().numpy(), used[200:].cpu().numpy()]
     kv_lens, qo_lens = [200 * page_size - 5, 100 * page_size], [1, 37]
     plan = CascadePlanner().plan(tables, kv_lens, qo_lens, page_size)
