@@ -47,9 +47,9 @@ class TileConfig:
 
     def resident_per_sm(self) -> int:
         """Programs of this shape one SM holds at once (registers and shared memory of the sm_90
-        builds: 1 at 128 rows, 2 at 64, 4 below). Nominal at head dims over 128, where the d256 decode
-        tile fits fewer; splits and fixed grids were measured with these counts (benchmarks/NOTES.md,
-        attempts 39-41)."""
+        builds: 1 at 128 rows, 2 at 64, 4 below). Nominal at head dims over 128: the d256 decode tile
+        fits 2 per SM (198 registers x 128 threads on 4 warps); splits and fixed grids were measured
+        with these counts (benchmarks/NOTES.md, attempts 39-41)."""
         return 1 if self.block_m >= 128 else 2 if self.block_m >= 64 else 4
 
 

@@ -477,8 +477,8 @@ class TritonBackend(AttentionBackend):
         self._counts = ints[sec.counts : sec.counts + merges]
         self._ext_rows = ints[sec.ext : sec.ext + 3 * merges]
         sms = num_sms(self.device)
-        # An exact plan's only launch, on a decode tile at head dims over 128 (fewer programs per SM
-        # than the nominal 4 of ``resident_per_sm``), takes the fixed plans' grid, its extra programs
+        # An exact plan's only launch, on a decode tile at head dims over 128 (2 programs per SM, not
+        # the nominal 4 of ``resident_per_sm``), takes the fixed plans' grid, its extra programs
         # idle: on the H200 d256 decodes and cascades ran up to 5% faster (the grid's d256 cascade
         # 57.2 -> 54.1 µs, as its fixed-capacity plan; 1 x 256 1.5% slower), plans of two launches up
         # to 10% slower and head dim 128 0-4% slower (benchmarks/NOTES.md, attempt 39, on 8 warps;
