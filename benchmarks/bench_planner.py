@@ -8,15 +8,17 @@ engine's per-sequence block tables) or as lists of Python ints. Its samples deco
 request has the same length); the "ragged" rows give each request 1 to 8000 tokens of its own
 instead (the same tables and plan shape, other lengths), which takes the planner's general paths.
 The backends plan for Llama-3-8B's
-heads (32 / 8, head_dim 128, bf16 given at plan time) on CPU tensors: the exact-size Triton backend
-and one with a ``GraphCapacity``; their upload is a CPU copy here, where a GPU engine pays an
-asynchronous host-to-device copy. "in all" is the planner on the 2-D array plus the Triton backend's
+heads (32 / 8, head_dim 128, bf16 given at plan time): the exact-size Triton backend and one with a
+``GraphCapacity``, on CPU tensors by default (their upload is then a CPU copy) or, with ``--device
+cuda``, on the GPU as an engine's (the upload an asynchronous host-to-device copy from pinned memory,
+waited for by the next plan). "in all" is the planner on the 2-D array plus the Triton backend's
 plan, what an engine pays per step. Each row is timed in a loop of its own (after 5 warm-up
 calls), as an engine calls it step after step; torch runs on one thread (its intra-op threads only
 slow a copy this small on a shared machine). Prints best and median milliseconds and
 writes them, with the machine and versions, to a Markdown file.
 
     python benchmarks/bench_planner.py           # writes benchmarks/results/planner.md
+    python benchmarks/bench_planner.py --device cuda --output OUT.md
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ def ragged_kv_lens() -> np.ndarray:
     return 1500 * 16 + np.random.default_rng(0).integers(1, 500 * 16 + 1, 256)
 
 
-def time_plans(repeats: int) -> list[tuple[str, float, float, int]]:
+def time_plans(repeats: int, device: str = "cpu") -> list[tuple[str, float, float, int]]:
     """Per row: (name, best ms, median ms, levels)."""
     tables, kv, qo = large_batch()
     ragged = ragged_kv_lens()
@@ -65,10 +67,10 @@ def time_plans(repeats: int) -> list[tuple[str, float, float, int]]:
     heads = dict(
         num_qo_heads=32, num_kv_heads=8, head_dim=128, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16
     )
-    exact = create_backend("triton", device="cpu")
+    exact = create_backend("triton", device=device)
     pages = sum(level.kv_indices.shape[0] for level in plan.levels)
     fixed = create_backend(
-        "triton", device="cpu", capacity=GraphCapacity(max_query_tokens=256, max_pages=pages, max_levels=4)
+        "triton", device=device, capacity=GraphCapacity(max_query_tokens=256, max_pages=pages, max_levels=4)
     )
     lists = [row.tolist() for row in tables]
     calls = {
@@ -110,12 +112,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=50, help="timed calls per row (default: 50)")
     ap.add_argument("--output", type=Path, default=RESULTS, help="Markdown results file")
+    ap.add_argument("--device", default="cpu", help="the backends' device: cpu (default) or cuda")
     args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error(f"argument --repeats: must be at least 1, got {args.repeats}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        ap.error("argument --device: CUDA is not available here")
     torch.set_num_threads(1)
     load_start = os.getloadavg()
-    rows = time_plans(args.repeats)
+    rows = time_plans(args.repeats, args.device)
     code = subprocess.run(
         ["git", "describe", "--always", "--dirty"], capture_output=True, text=True, check=False
     ).stdout.strip()
@@ -124,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"- date: {time.strftime('%a %b %d %H:%M:%S UTC %Y', time.gmtime())}",
         f"- cpu: {_cpu()}, nproc {os.cpu_count()}",
+        f"- backends' device: {args.device}"
+        + (f" ({torch.cuda.get_device_name()})" if args.device.startswith("cuda") else ""),
         f"- load average (1, 5, 15 min) at start: {' '.join(f'{x:.2f}' for x in load_start)}",
         f"- code (git describe --dirty): {code}",
         f"- versions: Python {platform.python_version()}, numpy {np.__version__}, torch {torch.__version__}",
