@@ -864,7 +864,9 @@ def test_gpu_kv_pool_over_2_31_elements(layout):
     assert num_pages * 2 * page_size * hkv * d > 2**31
     gen = torch.Generator(device="cuda").manual_seed(5)
     if layout == "slot-major":  # K and V: two tensors of their own
-        pool = [torch.empty(page_size, num_pages, hkv, d, dtype=torch.bfloat16, device="cuda") for _ in "kv"]
+        pool = [
+            torch.empty(page_size, num_pages, hkv, d, dtype=torch.bfloat16, device="cuda") for _ in range(2)
+        ]
     else:
         shape = (num_pages, 2, page_size, hkv, d) if layout == "nhd" else (2, num_pages, page_size, hkv, d)
         pool = torch.empty(shape, dtype=torch.bfloat16, device="cuda")
