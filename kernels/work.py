@@ -124,7 +124,7 @@ def fixed_tile_configs(group_size: int, head_dim: int, page_size: int) -> tuple[
 # than a wave 5-7% (96 x 256, 512 x 256), every cascade 1-11%, and MHA (8/8) 15-17%
 # (benchmarks/NOTES.md, attempts 37-38).
 LONE_DECODE_MIN_PROGRAMS = 512
-LONE_DECODE_MAX_ITEM_TOKENS = 256
+LONE_DECODE_MAX_ITEM_TOKENS = 128
 
 
 def lone_decode_tile(tile: TileConfig, group_size: int, head_dim: int, page_size: int) -> TileConfig | None:
