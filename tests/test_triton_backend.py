@@ -928,12 +928,13 @@ def test_dependent_merge_only_right_after_the_one_attention_launch(monkeypatch) 
     exact = TritonBackend(DEVICE, kv_chunk_size=64)  # splits: tokens to merge
     fixed = TritonBackend(DEVICE, capacity=GraphCapacity(max_query_tokens=40, max_pages=100))
     runs = [(exact, (decode, shared, decode)), (fixed, (decode, prefill, decode))]
-    # The lone decode level's launch (its threshold lowered to reach it) under a capacity, between
-    # plans of two launches: one launch, the merge dependent on it.
+    # The lone decode level's launch (its limits moved to reach it) under a capacity, between plans
+    # of two launches: one launch, the merge dependent on it.
     runs.append((fixed, (decode, prefill, decode)))
     for i, (backend, plans) in enumerate(runs):
         if i == 2:
             monkeypatch.setattr(work, "LONE_DECODE_MIN_PROGRAMS", 1)
+            monkeypatch.setattr(work, "LONE_DECODE_MAX_ITEM_TOKENS", 1 << 30)
         for plan, attention, dependent in zip(plans, (1, 2, 1), (True, False, True), strict=True):
             backend.plan(plan, **heads)
             assert backend._merges > 0
