@@ -119,11 +119,12 @@ def fixed_tile_configs(group_size: int, head_dim: int, page_size: int) -> tuple[
 # short steps in flight rather than 2 long ones, where nothing else runs beside it. On the H200
 # (32/8 d128), one-level decodes of 512 programs of 128 tokens replayed 5-6% faster (8 x 1024, 2 x
 # 4096, 16 x 512, 32 x 256; the same at page 64), 8 x 1024 at 16/8, 64/8 and 128/8 heads 7-11%;
-# of 160-256 tokens 12-26% slower (32 x 320, 16 x 768, 16 x 832, 16 x 1024: six calibration
-# batches), of 256-512 tokens 0-1% (64 x 256, 64 x 512, 32 x 1024), and of 2-4.6k tokens 20-24%
-# slower (64 x 4608, 32 x 4352 at page 64); fewer programs lost up to 10% (1 x 256, 8 x 256, d64
-# 8 x 1024), more than a wave 5-7% (96 x 256, 512 x 256), every cascade 1-11%, and MHA (8/8)
-# 15-17% (benchmarks/NOTES.md, attempts 37, 38 and 42).
+# split items of 192-256 tokens at most 12-26% slower (32 x 320, 16 x 768, 16 x 832, 16 x 1024: six
+# calibration batches, benchmarks/results/calibration_h200_lone256.json against
+# calibration_h200.json), unsplit ones of 256-512 tokens 0-1% (64 x 256, 64 x 512, 32 x 1024), and
+# of 2-4.6k tokens 20-24% slower (64 x 4608, 32 x 4352 at page 64); fewer programs lost up to 10%
+# (1 x 256, 8 x 256, d64 8 x 1024), more than a wave 5-7% (96 x 256, 512 x 256), every cascade
+# 1-11%, and MHA (8/8) 15-17% (benchmarks/NOTES.md, attempts 37, 38 and 42).
 LONE_DECODE_MIN_PROGRAMS = 512
 LONE_DECODE_MAX_ITEM_TOKENS = 128
 

@@ -399,8 +399,9 @@ def test_a_lone_level_of_decodes_filling_a_wave_runs_on_its_own_tile(capacity, m
     decode tile (32 KV tokens per step, three stages), under a capacity as a launch of its own (key
     "triton-decode"), and the backend goes back to its fixed launches for the next plan. Fewer
     programs (1 x 256), more than a wave (512 x 256), longer items (64 x 4608 and 32 x 320: 512
-    programs of 4608 and of 160 tokens), a prefill chunk (a wider tile), a cascade, d256, pages of
-    one token and MHA (one query head per KV head) keep their tiles (``work.lone_decode_tile``)."""
+    programs of 4608 tokens, and of 128 or 192), a prefill chunk (a wider tile), a cascade, d256,
+    pages of one token and MHA (one query head per KV head) keep their tiles
+    (``work.lone_decode_tile``)."""
     llama = dict(num_qo_heads=32, num_kv_heads=8, head_dim=128)
     decode = work.TileConfig(16, 64, 4, 2)
     lone = work.TileConfig(16, 32, 4, 3)
@@ -428,7 +429,7 @@ def test_a_lone_level_of_decodes_filling_a_wave_runs_on_its_own_tile(capacity, m
         (one_level(1, 256), True),
         (one_level(512, 256), True),
         (long_items, True),
-        (one_level(32, 320), True),  # 512 programs of 160-161 KV tokens each
+        (one_level(32, 320), True),  # 512 programs of 128 or 192 KV tokens
         (chunk, capacity is not None),  # exact: one launch on the wide tile; fixed: narrow + wide
     ):
         tiles = [tile for tile, _ in _gpu_launches(backend, plan, llama)]
