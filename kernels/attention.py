@@ -74,8 +74,9 @@ def _kv_tile(
     if WIDE_OFFSETS > 0:
         page = page.to(tl.int64)
     if WIDE_OFFSETS > 1:
-        # Only where the slot's term alone passes 2**31 (slot-major pools): a 64-bit slot costs the
-        # one-level decodes of a wide pool up to a third of their time (NOTES.md, attempt 42).
+        # Only where the slot's term alone reaches 2**31 (slot-major pools): with both terms in 64
+        # bits a one-level decode ran 34.8 µs on the H200, where the kernel that widened only the
+        # page's term had run it in 25.4 (benchmarks/NOTES.md, attempt 42).
         slot = slot.to(tl.int64)
     k_ptrs = k_head + (page * stride_k_page + slot * stride_k_slot)[:, None] + offs_d[None, :]
     v_ptrs = v_head + (page * stride_v_page + slot * stride_v_slot)[:, None] + offs_d[None, :]
