@@ -153,8 +153,8 @@ def _keys_tell_every_argument(launch, args: list) -> None:
     """Changing any one argument's alignment (tensors) or value (numbers) gives another key, and
     going back to the first objects gives the first key again."""
     recorder = RecordingKernel()
-    if hasattr(launch, "_kernels"):  # an attention launch: its kernels of 32- and 64-bit offsets
-        launch._kernels = (recorder, recorder)
+    if hasattr(launch, "_kernels"):  # an attention launch: its kernels by offset width
+        launch._kernels = (recorder,) * 3
     else:
         launch._kernel = recorder
     launch(*args)

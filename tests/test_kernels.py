@@ -859,7 +859,7 @@ def test_offset_widths_where_a_view_spans_2_31_elements() -> None:
     assert offset_widths(pool(1, 2, 1, 2**31 - 1), pool(1, 2, 1, 2**31 - 1)) == 1
     assert offset_widths(pool(1, 2, 1, 2**31), pool(1, 2, 1, 2**31)) == 2
     # A slot-major pool [page_size, pages, H, D] as [pages, page_size, H, D] views: its page axis
-    # has the small stride, its slot axis the large one (15 slots x 2**27 + 2**10 elements < 2**31).
+    # has the small stride, its slot axis the large one (15 slots x (2**27 + 2**10) elements < 2**31).
     slot_major = pool(16, 2**17 + 1, 8, 128).transpose(0, 1)
     assert offset_widths(slot_major, slot_major) == 1
     slot_major = pool(16, 2**17, 8, 128).transpose(0, 1)
@@ -909,6 +909,8 @@ def test_gpu_kv_pool_over_2_31_elements(layout):
     else:
         pool[0][:, used], pool[1][:, used] = values[:, 0].transpose(0, 1), values[:, 1].transpose(0, 1)
         kv_cache = (pool[0].transpose(0, 1), pool[1].transpose(0, 1))
+    # Each layout takes one of the three kernels (``offset_widths``).
+    assert offset_widths(*split_kv_cache(kv_cache)) == {"vllm": 0, "nhd": 1, "slot-major": 2}[layout]
     tables = [used[:200].cpu().numpy(), used[200:].cpu().numpy()]
     kv_lens, qo_lens = [200 * page_size - 5, 100 * page_size], [1, 37]
     plan = CascadePlanner().plan(tables, kv_lens, qo_lens, page_size)
