@@ -59,7 +59,7 @@ def _kv_tile(
     PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     MASK: tl.constexpr,  # False: every KV position of the tile is < kv_hi and visible to every row
-    OFFSETS_64: tl.constexpr,  # K/V offsets in 64 bits (see _attention_kernel)
+    WIDE_OFFSETS: tl.constexpr,  # which K/V offset terms are 64-bit (see _attention_kernel)
 ):  # fmt: skip
     """One KV tile of the online softmax: (acc, m, l) updated with KV tokens [start, start + BLOCK_N)."""
     offs_n = start + tl.arange(0, BLOCK_N)
@@ -71,9 +71,12 @@ def _kv_tile(
     else:
         page = tl.load(kv_indices_ptr + page0 + offs_n // PAGE_SIZE)
     slot = offs_n % PAGE_SIZE
-    if OFFSETS_64:
-        # Both terms: a slot-major pool's slot stride times page_size - 1 may pass 2**31 too.
+    if WIDE_OFFSETS > 0:
         page = page.to(tl.int64)
+    if WIDE_OFFSETS > 1:
+        # Only where the slot's term alone reaches 2**31 (slot-major pools): with both terms in 64
+        # bits a one-level decode ran 34.8 µs on the H200, where the kernel that widened only the
+        # page's term had run it in 25.4 (benchmarks/NOTES.md, attempt 42).
         slot = slot.to(tl.int64)
     k_ptrs = k_head + (page * stride_k_page + slot * stride_k_slot)[:, None] + offs_d[None, :]
     v_ptrs = v_head + (page * stride_v_page + slot * stride_v_slot)[:, None] + offs_d[None, :]
@@ -149,10 +152,10 @@ def _attention_kernel(
     # Launched before a merge with programmatic dependent launch: the merge's programs may start
     # once every program here has (``dependent_launches``).
     LAUNCH_DEPENDENTS: tl.constexpr,
-    # K and V offsets from the KV head's first element (page x page stride + slot x slot stride) in
-    # 64 bits: for K or V views whose last element lies 2**31 elements or more past their first
-    # (``offsets_need_64_bits``); in 32 bits otherwise. The head's offset is 64-bit either way.
-    OFFSETS_64: tl.constexpr,
+    # K and V offsets from the KV head's first element (page x page stride + slot x slot stride):
+    # 0, both terms in 32 bits; 1, the page's term in 64; 2, the slot's too (``offset_widths``).
+    # The head's offset is 64-bit either way.
+    WIDE_OFFSETS: tl.constexpr,
 ):
     if LAUNCH_DEPENDENTS:
         gdc_launch_dependents()
@@ -207,13 +210,13 @@ def _attention_kernel(
             acc, m_i, l_i = _kv_tile(
                 acc, m_i, l_i, q, start, kv_hi, tok, diag, kv_indices_ptr, page0, k_head, v_head,
                 stride_k_page, stride_k_slot, stride_v_page, stride_v_slot, qk_scale,
-                PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, UPCAST, DOT_PRECISION, False, OFFSETS_64,
+                PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, UPCAST, DOT_PRECISION, False, WIDE_OFFSETS,
             )  # fmt: skip
         for start in range(full_hi, kv_hi, BLOCK_N):
             acc, m_i, l_i = _kv_tile(
                 acc, m_i, l_i, q, start, kv_hi, tok, diag, kv_indices_ptr, page0, k_head, v_head,
                 stride_k_page, stride_k_slot, stride_v_page, stride_v_slot, qk_scale,
-                PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, UPCAST, DOT_PRECISION, True, OFFSETS_64,
+                PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, UPCAST, DOT_PRECISION, True, WIDE_OFFSETS,
             )  # fmt: skip
 
         empty = l_i == 0.0
@@ -271,10 +274,11 @@ class AttentionLaunch:
             # no multi-stage KV buffering, so they still fit in shared memory (fp32 is for checks).
             num_stages=1 if dtype == torch.float32 else tile.num_stages,
         )  # fmt: skip
-        # By the KV pool of the layer (``offsets_need_64_bits``): 32-bit offsets, then 64-bit ones.
+        # By the KV pool of the layer (``offset_widths``): 32-bit offsets, a 64-bit page term, both
+        # terms 64-bit. Each compiles on its first launch.
         self._kernels = tuple(
-            BoundKernel(_attention_kernel, (num_programs,), dict(constants, OFFSETS_64=wide))
-            for wide in (False, True)
+            BoundKernel(_attention_kernel, (num_programs,), dict(constants, WIDE_OFFSETS=wide))
+            for wide in range(3)
         )
         self._plan_key = CachedSpecialization()
 
@@ -302,17 +306,22 @@ class AttentionLaunch:
         # The plan's buffers are the same objects for every layer: only the layer's tensors are read.
         plan = (q_rows, kv_indices, work, num_work, o_rows, out, lse)
         key = (self._plan_key(*plan), *specialization((q, k, v, final)), *scalars)
-        kernel = self._kernels[offsets_need_64_bits(k, v)]
+        kernel = self._kernels[offset_widths(k, v)]
         kernel.launch(key, (q, q_rows, k, v, kv_indices, work, num_work, o_rows, out, lse, final, *scalars))
 
 
-def offsets_need_64_bits(k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether the attention kernel computes K and V offsets in 64 bits for these K and V views
-    ``[num_pages, page_size, H, D]``: when the last element of either lies 2**31 elements or more past
-    its first (offsets are taken from each view's own first element, wherever its storage starts).
-    32-bit offsets otherwise: 0-13% less GPU time on the H200 (prefill most, decode of long shared
-    prefixes 3-10%; benchmarks/NOTES.md, attempt 41)."""
-    return _extent(k.shape, k.stride()) > 2**31 or _extent(v.shape, v.stride()) > 2**31
+def offset_widths(k: torch.Tensor, v: torch.Tensor) -> int:
+    """Which terms of the K and V offsets (page x page stride + slot x slot stride) the attention
+    kernel computes in 64 bits for these K and V views ``[num_pages, page_size, H, D]``: 0, none,
+    while the last element of each lies less than 2**31 elements past its first (offsets are taken
+    from each view's own first element, wherever its storage starts); 1, the page's term, past that;
+    2, the slot's term too, where (page_size - 1) x the slot stride alone reaches 2**31 (slot-major
+    pools). 32-bit offsets take 0-13% off the GPU time on the H200 (prefill most, decode of long
+    shared prefixes 3-10%; benchmarks/NOTES.md, attempt 41)."""
+    if _extent(k.shape, k.stride()) <= 2**31 and _extent(v.shape, v.stride()) <= 2**31:
+        return 0
+    slot_span = max((k.shape[1] - 1) * k.stride()[1], (v.shape[1] - 1) * v.stride()[1])
+    return 2 if slot_span >= 2**31 else 1
 
 
 def _extent(shape: torch.Size, stride: tuple[int, ...]) -> int:

@@ -153,8 +153,8 @@ def _keys_tell_every_argument(launch, args: list) -> None:
     """Changing any one argument's alignment (tensors) or value (numbers) gives another key, and
     going back to the first objects gives the first key again."""
     recorder = RecordingKernel()
-    if hasattr(launch, "_kernels"):  # an attention launch: its kernels of 32- and 64-bit offsets
-        launch._kernels = (recorder, recorder)
+    if hasattr(launch, "_kernels"):  # an attention launch: its kernels by offset width
+        launch._kernels = (recorder,) * 3
     else:
         launch._kernel = recorder
     launch(*args)
@@ -186,17 +186,18 @@ def test_attention_launch_keys_every_argument() -> None:
 
 
 def test_attention_launch_takes_64_bit_offsets_for_a_pool_past_2_31_elements() -> None:
-    """The same launch runs its 32-bit-offset kernel on a small pool and its 64-bit one where the K
-    or V view reaches 2**31 elements past its first (``offsets_need_64_bits``), call by call. The pool
-    views are meta tensors: shapes and strides, no memory."""
+    """The same launch runs its 32-bit-offset kernel on a small pool, its kernel with a 64-bit page
+    term where the K or V view reaches 2**31 elements past its first, and the one with a 64-bit slot
+    term too where the slot's term alone does (``offset_widths``), call by call. The pool views are
+    meta tensors: shapes and strides, no memory."""
     from prefix_cache.kernels.attention import AttentionLaunch
     from prefix_cache.kernels.work import TileConfig
 
     launch = AttentionLaunch(num_programs=4, group_size=2, tile=TileConfig(16, 16, 1, 1), num_kv_heads=8,
                              page_size=16, head_dim=128, dtype=torch.float16)  # fmt: skip
-    assert [kernel.constants["OFFSETS_64"] for kernel in launch._kernels] == [False, True]
-    narrow, wide = RecordingKernel(), RecordingKernel()
-    launch._kernels = (narrow, wide)
+    assert [kernel.constants["WIDE_OFFSETS"] for kernel in launch._kernels] == [0, 1, 2]
+    narrow, page, both = RecordingKernel(), RecordingKernel(), RecordingKernel()
+    launch._kernels = (narrow, page, both)
     q, out = torch.zeros(3, 16, 128, dtype=torch.float16), torch.zeros(4, 16, 128)
     ints = [torch.zeros(8, dtype=torch.int32) for _ in range(5)]
 
@@ -206,16 +207,21 @@ def test_attention_launch_takes_64_bit_offsets_for_a_pool_past_2_31_elements() -
 
     small = torch.empty(2**17, 16, 8, 128, dtype=torch.float16, device="meta")  # 2**31 elements
     large = torch.empty(2**17 + 1, 16, 8, 128, dtype=torch.float16, device="meta")
+    # Slot-major: a slot stride of 2**28 elements, 15 x that past 2**31.
+    slot_major = torch.empty(16, 2**18, 8, 128, dtype=torch.float16, device="meta").transpose(0, 1)
+    kernels = (narrow, page, both)
     expected = []
     for k, v, kernel in (
         (small, small, narrow),
-        (small, large, wide),
-        (large, small, wide),
+        (small, large, page),
+        (slot_major, small, both),
+        (large, small, page),
+        (large, slot_major, both),
         (small, small, narrow),
     ):
         run(k, v)
         expected.append(kernel)
-        assert (len(narrow.calls), len(wide.calls)) == (expected.count(narrow), expected.count(wide))
+        assert [len(each.calls) for each in kernels] == [expected.count(each) for each in kernels]
 
 
 def test_merge_launch_keys_every_argument() -> None:

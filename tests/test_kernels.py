@@ -12,7 +12,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from prefix_cache.kernels.attention import launch_level, level_attention, offsets_need_64_bits, plan_level
+from prefix_cache.kernels.attention import launch_level, level_attention, offset_widths, plan_level
 from prefix_cache.kernels.kv_append import append_kv
 from prefix_cache.kernels.merge_state import merge_states, merge_states_varlen
 from prefix_cache.kernels.work import tile_config
@@ -159,6 +159,25 @@ def test_level_attention_matches_reference(page_size, num_qo_heads, num_kv_heads
     if kv_chunk_size is not None:
         assert splits.max() > 1, "the case must exercise split-KV"
     ref_out, ref_lse = _ref_level(q, kv_cache, qo, kvp, idx, last, causal, scale)
+    _assert_close(out, lse, ref_out, ref_lse, ATOL[torch.float32])
+
+
+@pytest.mark.parametrize("widths", [0, 1, 2])
+def test_level_attention_on_each_offset_width(widths, monkeypatch):
+    """Each of the three kernels (``offset_widths``: 32-bit offsets, a 64-bit page term, both terms
+    64-bit) computes the same attention; forced here on a small pool, which needs none of them."""
+    from prefix_cache.kernels import attention
+
+    monkeypatch.setattr(attention, "offset_widths", lambda k, v: widths)
+    gen = torch.Generator().manual_seed(7)
+    page_size, lengths = 3, [kv for _, kv in CPU_GROUPS]
+    num_pages = sum(-(-n // page_size) for n in lengths) + 5
+    kvp, idx, last = _pages_for(lengths, page_size, num_pages, gen)
+    qo = np.concatenate([[0], np.cumsum([n for n, _ in CPU_GROUPS])]).astype(np.int32)
+    kv_cache = torch.randn(num_pages, 2, page_size, 2, 16, generator=gen).to(DEVICE)
+    q = torch.randn(int(qo[-1]), 6, 16, generator=gen).to(DEVICE)
+    out, lse, _ = _run_level(q, kv_cache, (qo, kvp, idx, last), True, 0.3, 16, torch.float32)
+    ref_out, ref_lse = _ref_level(q, kv_cache, qo, kvp, idx, last, True, 0.3)
     _assert_close(out, lse, ref_out, ref_lse, ATOL[torch.float32])
 
 
@@ -800,63 +819,71 @@ def test_gpu_append_kv_then_attend():
     assert torch.equal(cache, expected)
 
 
-def test_offsets_need_64_bits_where_a_view_spans_2_31_elements() -> None:
+def test_offset_widths_where_a_view_spans_2_31_elements() -> None:
     """The kernel's K/V offsets are 32-bit only while every element of the K and V views lies within
     2**31 elements of the view's first: measured from each view's own start (vLLM's halves of a
-    pool of twice that size stay 32-bit), over any strides (HND views), K or V alone. Meta tensors:
-    shapes and strides without memory."""
+    pool of twice that size stay 32-bit), over any strides (HND views), K or V alone. Past that the
+    page's term is 64-bit, and the slot's term too only where (page_size - 1) x the slot stride
+    reaches 2**31 by itself (slot-major pools). Meta tensors: shapes and strides without memory."""
     pages_at_limit = 2**31 // (2 * 16 * 8 * 128)  # NHD pool [pages, 2, 16, 8, 128] of 2**31 elements
 
     def pool(*shape: int) -> torch.Tensor:
         return torch.empty(shape, dtype=torch.bfloat16, device="meta")
 
-    def wide(kv_cache) -> bool:
-        return offsets_need_64_bits(*split_kv_cache(kv_cache))
+    def widths(kv_cache) -> int:
+        return offset_widths(*split_kv_cache(kv_cache))
 
     # NHD: K's and V's views of a 2**31-element pool end half a page short of 2**31 elements: 32
-    # bits; one page more reaches past it.
-    assert not wide(pool(pages_at_limit, 2, 16, 8, 128))
-    assert wide(pool(pages_at_limit + 1, 2, 16, 8, 128))
+    # bits; one page more reaches past it, and only the page's term needs 64 bits.
+    assert widths(pool(pages_at_limit, 2, 16, 8, 128)) == 0
+    assert widths(pool(pages_at_limit + 1, 2, 16, 8, 128)) == 1
     # vLLM's [2, pages, ...]: each half is its own view, measured from its own first element: halves
     # of 2**31 elements each (a pool of 2**32) stay 32-bit.
     vllm = pool(2, 2 * pages_at_limit, 16, 8, 128)
-    assert not wide((vllm[0], vllm[1]))
+    assert widths((vllm[0], vllm[1])) == 0
     vllm = pool(2, 2 * pages_at_limit + 1, 16, 8, 128)
-    assert wide((vllm[0], vllm[1]))
+    assert widths((vllm[0], vllm[1])) == 1
     # HND pools [pages, H, page_size, D] passed as transposed views: a 2**31-element pool's last
     # element sits at offset 2**31 - 1, the most 32 bits hold.
     hnd = pool(2 * pages_at_limit, 8, 16, 128)
-    assert not wide((hnd.transpose(1, 2), hnd.transpose(1, 2)))
+    assert widths((hnd.transpose(1, 2), hnd.transpose(1, 2))) == 0
     hnd = pool(2 * pages_at_limit + 1, 8, 16, 128)
-    assert wide((hnd.transpose(1, 2), hnd.transpose(1, 2)))
-    # Every axis counts: two entries along one axis over rows of 2**30 + 1 elements span 2**31 + 2.
-    assert not offsets_need_64_bits(pool(1, 1, 1, 2**31), pool(1, 1, 1, 2**31))
-    assert offsets_need_64_bits(pool(1, 1, 1, 2**31 + 1), pool(1, 1, 1, 2**31 + 1))
+    assert widths((hnd.transpose(1, 2), hnd.transpose(1, 2))) == 1
+    # Every axis counts: two entries along one axis over rows of 2**30 + 1 elements span 2**31 + 2;
+    # along the slot axis that alone is the slot's term of 2**30 + 1 < 2**31.
+    assert offset_widths(pool(1, 1, 1, 2**31), pool(1, 1, 1, 2**31)) == 0
+    assert offset_widths(pool(1, 1, 1, 2**31 + 1), pool(1, 1, 1, 2**31 + 1)) == 1
     for shape in ((2, 1, 1, 2**30 + 1), (1, 2, 1, 2**30 + 1), (1, 1, 2, 2**30 + 1)):
-        assert offsets_need_64_bits(pool(*shape), pool(*shape)), shape
+        assert offset_widths(pool(*shape), pool(*shape)) == 1, shape
+    # The slot's term alone at 2**31 - 1 and at 2**31 elements: one page of 2 slots.
+    assert offset_widths(pool(1, 2, 1, 2**31 - 1), pool(1, 2, 1, 2**31 - 1)) == 1
+    assert offset_widths(pool(1, 2, 1, 2**31), pool(1, 2, 1, 2**31)) == 2
     # A slot-major pool [page_size, pages, H, D] as [pages, page_size, H, D] views: its page axis
-    # has the small stride, its slot axis the large one.
+    # has the small stride, its slot axis the large one (15 slots x (2**27 + 2**10) elements < 2**31).
     slot_major = pool(16, 2**17 + 1, 8, 128).transpose(0, 1)
-    assert offsets_need_64_bits(slot_major, slot_major)
+    assert offset_widths(slot_major, slot_major) == 1
     slot_major = pool(16, 2**17, 8, 128).transpose(0, 1)
-    assert not offsets_need_64_bits(slot_major, slot_major)
+    assert offset_widths(slot_major, slot_major) == 0
+    slot_major = pool(16, 2**18, 8, 128).transpose(0, 1)  # 15 slots x 2**28 elements >= 2**31
+    assert offset_widths(slot_major, slot_major) == 2
     # Separate K and V tensors: either one past the limit is enough (here a contiguous K of 2**31
-    # elements, and V a view with twice its page stride).
+    # elements, and V a view with twice its page stride), and either one's slot term.
     k = pool(2 * pages_at_limit, 16, 8, 128)
     v = pool(2 * pages_at_limit, 2, 16, 8, 128)[:, 1]
-    assert offsets_need_64_bits(k, v) and offsets_need_64_bits(v, k) and not offsets_need_64_bits(k, k)
+    assert offset_widths(k, v) == offset_widths(v, k) == 1 and offset_widths(k, k) == 0
+    assert offset_widths(k, slot_major) == offset_widths(slot_major, k) == 2
 
 
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["nhd", "vllm", "slot-major"])
 def test_gpu_kv_pool_over_2_31_elements(layout):
-    """A pool of 2.3e9 elements (4.6 GB bf16): pages near its end sit past element 2**31, so every
-    offset must be computed in 64 bits (``offsets_need_64_bits``; the vLLM layout's halves are views
-    of 1.15e9 elements each and run on 32-bit offsets, relative to each half's start). Slot-major:
-    separate K and V tensors of [page_size, pages, H, D], 2.3e9 elements each, passed as
-    [pages, page_size, H, D] views: there the slot's term alone (slot x a stride of 1.43e8) passes
-    2**31 for the last slots of a page."""
+    """A pool of 2.3e9 elements (4.6 GB bf16): pages near its end sit past element 2**31, so the
+    page's term of every offset is computed in 64 bits (``offset_widths``; the vLLM layout's halves
+    are views of 1.15e9 elements each and run on 32-bit offsets, relative to each half's start).
+    Slot-major: separate K and V tensors of [page_size, pages, H, D], 2.3e9 elements each, passed
+    as [pages, page_size, H, D] views: there the slot's term alone (slot x a stride of 1.43e8)
+    passes 2**31 for the last slots of a page, so it is 64-bit too."""
     page_size, hq, hkv, d, num_pages = 16, 32, 8, 128, 70000
     if layout == "slot-major":
         num_pages *= 2
@@ -882,6 +909,8 @@ def test_gpu_kv_pool_over_2_31_elements(layout):
     else:
         pool[0][:, used], pool[1][:, used] = values[:, 0].transpose(0, 1), values[:, 1].transpose(0, 1)
         kv_cache = (pool[0].transpose(0, 1), pool[1].transpose(0, 1))
+    # Each layout takes one of the three kernels (``offset_widths``).
+    assert offset_widths(*split_kv_cache(kv_cache)) == {"vllm": 0, "nhd": 1, "slot-major": 2}[layout]
     tables = [used[:200].cpu().numpy(), used[200:].cpu().numpy()]
     kv_lens, qo_lens = [200 * page_size - 5, 100 * page_size], [1, 37]
     plan = CascadePlanner().plan(tables, kv_lens, qo_lens, page_size)
