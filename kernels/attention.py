@@ -74,9 +74,9 @@ def _kv_tile(
     if WIDE_OFFSETS > 0:
         page = page.to(tl.int64)
     if WIDE_OFFSETS > 1:
-        # Only where the slot's term alone reaches 2**31 (slot-major pools): with both terms in 64
-        # bits a one-level decode ran 34.8 µs on the H200, where the kernel that widened only the
-        # page's term had run it in 25.4 (benchmarks/NOTES.md, attempt 42).
+        # Only where the slot's term alone reaches 2**31 (slot-major pools): on an NHD pool past
+        # 2**31 elements a one-level decode ran 34.9-35.1 µs on the H200 with both terms in 64 bits,
+        # 25.4-25.6 with the page's alone (benchmarks/NOTES.md, attempt 43).
         slot = slot.to(tl.int64)
     k_ptrs = k_head + (page * stride_k_page + slot * stride_k_slot)[:, None] + offs_d[None, :]
     v_ptrs = v_head + (page * stride_v_page + slot * stride_v_slot)[:, None] + offs_d[None, :]

@@ -196,8 +196,8 @@ def test_attention_launch_takes_64_bit_offsets_for_a_pool_past_2_31_elements() -
     launch = AttentionLaunch(num_programs=4, group_size=2, tile=TileConfig(16, 16, 1, 1), num_kv_heads=8,
                              page_size=16, head_dim=128, dtype=torch.float16)  # fmt: skip
     assert [kernel.constants["WIDE_OFFSETS"] for kernel in launch._kernels] == [0, 1, 2]
-    narrow, page, both = RecordingKernel(), RecordingKernel(), RecordingKernel()
-    launch._kernels = (narrow, page, both)
+    narrow, page, both = kernels = RecordingKernel(), RecordingKernel(), RecordingKernel()
+    launch._kernels = kernels
     q, out = torch.zeros(3, 16, 128, dtype=torch.float16), torch.zeros(4, 16, 128)
     ints = [torch.zeros(8, dtype=torch.int32) for _ in range(5)]
 
@@ -209,7 +209,6 @@ def test_attention_launch_takes_64_bit_offsets_for_a_pool_past_2_31_elements() -
     large = torch.empty(2**17 + 1, 16, 8, 128, dtype=torch.float16, device="meta")
     # Slot-major: a slot stride of 2**28 elements, 15 x that past 2**31.
     slot_major = torch.empty(16, 2**18, 8, 128, dtype=torch.float16, device="meta").transpose(0, 1)
-    kernels = (narrow, page, both)
     expected = []
     for k, v, kernel in (
         (small, small, narrow),
