@@ -205,6 +205,34 @@ def test_small_decode_reaches_flashinfer_in_engine_order() -> None:
     assert not in_engine_order(np.array([1, 0])) and in_engine_order(np.zeros(0, dtype=np.int64))
 
 
+def test_small_decode_cascades_run_as_one_level_on_flashinfer_eager() -> None:
+    """``Routing.eager_flat_kv_bytes``: a decode cascade whose one-level plan reads at most that
+    many bytes of K and V is handed over as that plan (which the eager route sends to FlashInfer's
+    decode wrapper); not past the limit, not for GQA groups over ``decode_max_group``, not for
+    prefill chunks, not at 0."""
+    from prefix_cache.attention.auto_backend import Routing, choose_flat_decode, choose_route
+
+    planner = CascadePlanner(min_shared_tokens=256, min_saved_tokens=0)
+    shared = list(range(32))  # 512 tokens
+    tables = [np.array([*shared, 100 + i]) for i in range(8)]
+    plan = planner.plan(tables, [520] * 8, [1] * 8, 16)
+    assert len(plan.levels) == 2
+    size = 8 * 33 * 16 * 8 * 128 * 2 * 2  # requests x pages x tokens x KV heads x head_dim x (K, V) x bf16
+    flat = choose_flat_decode(plan, 4, 8, 128, 2, Routing(eager_flat_kv_bytes=size))
+    assert flat is not None and len(flat.levels) == 1
+    assert choose_route(flat, 4, Routing()) == "flashinfer"
+    assert choose_flat_decode(plan, 4, 8, 128, 2, Routing(eager_flat_kv_bytes=size - 1)) is None
+    assert choose_flat_decode(plan, 16, 8, 128, 2, Routing(eager_flat_kv_bytes=size)) is None
+    assert choose_flat_decode(plan, 4, 8, 128, 2, Routing(eager_flat_kv_bytes=0)) is None
+    prefill = planner.plan(tables, [520] * 8, [4] * 8, 16)
+    assert len(prefill.levels) == 2
+    assert choose_flat_decode(prefill, 4, 8, 128, 2, Routing(eager_flat_kv_bytes=10 * size)) is None
+    # The default takes 512 tokens shared by 32 decodes of 256 more at Llama-3-8B's heads (96 MiB).
+    tables = [np.array([*shared, *range(100 + 16 * i, 116 + 16 * i)]) for i in range(32)]
+    plan = planner.plan(tables, [768] * 32, [1] * 32, 16)
+    assert len(plan.levels) == 2 and choose_flat_decode(plan, 4, 8, 128, 2, Routing()) is not None
+
+
 def test_prefill_cascade_with_an_fa3_level_takes_the_triton_route() -> None:
     """A cascade with prefill chunks, which the thresholds send to FlashInfer's cascade wrapper, runs
     on the Triton route when the ``LevelRule`` gives its shared level to FA3 (a stand-in FlashInfer
@@ -391,11 +419,14 @@ def test_fixed_capacity_rejects_what_does_not_fit() -> None:
 def test_auto_backend_routes() -> None:
     """Each route of the auto backend against the float64 reference: prefill on FlashInfer (one level,
     and a cascade on its multi-level wrapper), unshared decode on FlashInfer's decode wrapper, shared
-    decode on our kernels."""
+    decode on our kernels, and eager, a small shared decode as one level on FlashInfer's decode
+    wrapper (``Routing.eager_flat_kv_bytes``)."""
     pytest.importorskip("flashinfer")
     from prefix_cache.attention.auto_backend import Routing
 
-    backend = create_backend("auto", routing=Routing(prefill_min_tokens=8, prefill_tokens=16))
+    routing = Routing(prefill_min_tokens=8, prefill_tokens=16, eager_flat_kv_bytes=0)
+    backend = create_backend("auto", routing=routing)
+    flat = create_backend("auto", routing=dataclasses.replace(routing, eager_flat_kv_bytes=2**30))
     page_size, hq, hkv, d, dtype = 16, 32, 8, 128, torch.bfloat16
     generator = torch.Generator().manual_seed(9)
     kv_cache = torch.randn(400, 2, page_size, hkv, d, generator=generator).to("cuda", dtype)
@@ -405,23 +436,35 @@ def test_auto_backend_routes() -> None:
         ("flashinfer", [np.array([*shared, 100 + i, 120 + i]) for i in range(8)], [540] * 8, [20, 1] * 4),
         ("flashinfer", [np.arange(40, 60), np.arange(60, 80)], [300, 310], [1, 1]),
         ("triton", [np.array([*shared, 100 + i]) for i in range(8)], [520] * 8, [1] * 8),
+        # The same shared decode as one level, and one with an idle request and a partial last page.
+        ("flat", [np.array([*shared, 100 + i]) for i in range(8)], [520] * 8, [1] * 8),
+        (
+            "flat",
+            [np.array([*shared, 100 + i, 120 + i]) for i in range(4)],
+            [540, 530, 529, 515],
+            [1, 0, 1, 1],
+        ),
     ]
     for route, tables, kv_lens, qo_lens in cases:
         plan = CascadePlanner(min_shared_tokens=256, min_saved_tokens=0).plan(
             tables, kv_lens, qo_lens, page_size
         )
-        backend.plan(plan, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, q_dtype=dtype)
-        assert backend.route == route
+        runner = backend
+        if route == "flat":
+            runner, route = flat, "flashinfer"
+            assert len(plan.levels) == 2
+        runner.plan(plan, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, q_dtype=dtype)
+        assert runner.route == route
         q = torch.randn(sum(qo_lens), hq, d, generator=generator).to("cuda", dtype)
         expected = reference_attention(q, kv_cache, tables, kv_lens, qo_lens, d**-0.5)
         scale = float(expected.abs().max())
-        out = backend.run(q, kv_cache)
+        out = runner.run(q, kv_cache)
         torch.testing.assert_close(out.double(), expected, atol=1.6e-2 * scale, rtol=0, msg=route)
         # The caller's output: contiguous (one-level FlashInfer plans write it in place) and strided
         # (written through a copy).
         strided = torch.full((q.shape[0], hq, 2 * d), float("nan"), dtype=dtype, device="cuda")[..., :d]
         for mine in (torch.full_like(q, float("nan")), strided):
-            assert backend.run(q, kv_cache, out=mine) is mine
+            assert runner.run(q, kv_cache, out=mine) is mine
             torch.testing.assert_close(mine.double(), expected, atol=1.6e-2 * scale, rtol=0, msg=route)
 
 

@@ -7,7 +7,9 @@ come from the side-by-side measurements in benchmarks/results/attention_h200.md)
   on Hopper is about 2x our Triton kernel there), on FlashInfer's prefill or multi-level cascade
   wrapper; and plain one-level decode with a GQA group of at most 8, on FlashInfer's tensor-core
   decode wrapper (faster than ours on small unshared batches).
-- ``triton``: everything else, in particular every decode batch with shared levels. On Hopper, a
+- ``flashinfer`` too, eager only: a small decode cascade (``Routing.eager_flat_kv_bytes``) as its
+  one-level plan (``one_level_decode``) on that decode wrapper: one launch where ours make two.
+- ``triton``: everything else, in particular every other decode batch with shared levels. On Hopper, a
   long shared level with many query rows (``LevelRule``) runs there on FlashInfer's FA3 kernel, its
   KV split by hand, merged with our kernels' other levels
   (``prefix_cache.attention.flashinfer_levels``; ``route`` is then ``"triton+fa3"``). A cascade
@@ -40,7 +42,7 @@ from prefix_cache.attention.base import AttentionBackend, check_pool, in_engine_
 from prefix_cache.attention.flashinfer_levels import LevelRule, SharedLevelsOnFlashInfer
 from prefix_cache.attention.kv_layout import flashinfer_paged
 from prefix_cache.attention.triton_backend import GraphCapacity, TritonBackend, checked_levels
-from prefix_cache.cascade import CascadePlan
+from prefix_cache.cascade import CascadePlan, one_level_decode
 from prefix_cache.kv_split import DECODE_TILE_ROWS, MIN_SPLIT_TOKENS, min_split_tokens
 
 
@@ -65,6 +67,13 @@ class Routing:
         ``graph_fa3_decodes`` requests, none over ``graph_fa3_decode_kv`` KV tokens, run on
         FlashInfer's prefill kernels (FA3 on Hopper), which do not split: 1 x 64 to 2 x 256 replayed
         2-3.5 µs (13-26%) faster than on its split decode kernels, 1 x 1024 and 8 x 256 slower.
+    eager_flat_kv_bytes: without a capacity, a decode cascade whose one-level plan reads at most
+        this many bytes of K and V runs as that plan on FlashInfer's decode wrapper (GQA groups up
+        to ``decode_max_group``); 0 never. Eager, such a batch is bound by host time: on the H200
+        machine's host a Triton launch costs ~15 µs and FlashInfer's decode wrapper ~22, so 512
+        tokens shared by 32 decodes took 38 µs of host per layer on our two launches against 22 on
+        that wrapper's one, whose GPU time was 29 µs against our 25 (benchmarks/NOTES.md, attempt
+        43); 128 MiB take ~30 µs at 4.25 TB/s.
     """
 
     prefill_min_tokens: int = 64
@@ -74,6 +83,7 @@ class Routing:
     graph_triton_decodes_large_heads: int = 16
     graph_fa3_decodes: int = 2
     graph_fa3_decode_kv: int = 256
+    eager_flat_kv_bytes: int = 128 * 2**20
 
 
 def choose_route(plan: CascadePlan, group_size: int, routing: Routing) -> str:
@@ -87,6 +97,24 @@ def choose_route(plan: CascadePlan, group_size: int, routing: Routing) -> str:
     if len(plan.levels) == 1 and decode and group_size <= routing.decode_max_group:
         return "flashinfer"
     return "triton"
+
+
+def choose_flat_decode(
+    plan: CascadePlan, group_size: int, num_kv_heads: int, head_dim: int, itemsize: int, routing: Routing
+) -> CascadePlan | None:
+    """For an eager plan of several levels: its one-level plan (``one_level_decode``) where
+    ``Routing.eager_flat_kv_bytes`` sends it to FlashInfer's decode wrapper, else None. itemsize:
+    bytes per K or V element."""
+    if routing.eager_flat_kv_bytes <= 0 or len(plan.levels) < 2 or group_size > routing.decode_max_group:
+        return None
+    # The pages the one level would read (each group's once per query row), before building it.
+    pages = sum(
+        int((np.diff(lv.kv_indptr.astype(np.int64)) * np.diff(lv.qo_indptr.astype(np.int64))).sum())
+        for lv in plan.levels
+    )
+    if pages * plan.page_size * num_kv_heads * head_dim * 2 * itemsize > routing.eager_flat_kv_bytes:
+        return None
+    return one_level_decode(plan)
 
 
 def choose_graph_key(plan: CascadePlan, group_size: int, head_dim: int, routing: Routing) -> str:
@@ -200,6 +228,12 @@ class AutoBackend(AttentionBackend):
         route = choose_route(plan, group, self.routing) if flashinfer else "triton"
         if route == "flashinfer" and len(plan.levels) > 1 and self._fa3_takes_a_level(plan):
             route = "triton"
+        if route == "triton" and flashinfer:
+            flat = choose_flat_decode(
+                plan, group, self.num_kv_heads, self.head_dim, self.dtype.itemsize, self.routing
+            )
+            if flat is not None:
+                plan, route = flat, "flashinfer"
         if route == "flashinfer":
             if self._fi_backend is None:
                 from prefix_cache.attention.flashinfer_backend import FlashInferBackend
