@@ -40,6 +40,7 @@ class CascadePlan:
     """The output of ``CascadePlanner.plan``: levels plus the request permutation they assume.
 
     levels: shared levels first (non-causal), the unique level last (causal); at least one level.
+        The last level has one group per request, in planned order.
     request_order: int32 [batch]; planned position p holds the engine's request ``request_order[p]``.
     request_inverse: int32 [batch]; the engine's request i sits at planned position ``request_inverse[i]``.
     query_order: int64 [num_query_tokens]; planned query token t is the engine's query token
@@ -66,10 +67,16 @@ def one_level_decode(plan: CascadePlan) -> CascadePlan | None:
     ``query_order`` is the identity. Requests without a query keep no pages, as no level gives them
     any. None where ``plan`` has a single level, is not a decode plan (a request with more than one
     query token) or a query would get no KV, and where a request's pages would not concatenate (a
-    segment ending in a partial page before the last)."""
+    segment ending in a partial page before the last), or where it would hold 2**31 pages or more.
+    Raises ValueError where the last level does not have one group per request."""
     if len(plan.levels) < 2:
         return None
     last = plan.levels[-1]
+    if last.kv_last_page_len.shape[0] != plan.request_order.shape[0]:
+        raise ValueError(
+            f"the last level has {last.kv_last_page_len.shape[0]} groups, the plan "
+            f"{plan.request_order.shape[0]} requests: it must have one group per request"
+        )
     if int(np.diff(last.qo_indptr).max(initial=0)) > 1:
         return None
     rows = plan.num_query_tokens
@@ -94,6 +101,8 @@ def one_level_decode(plan: CascadePlan) -> CascadePlan | None:
         return None
     token_indptr = np.zeros(rows + 1, dtype=np.int64)
     np.cumsum(counts_after, out=token_indptr[1:])
+    if token_indptr[-1] >= 2**31:  # the shared pages are repeated per request: int32 offsets
+        return None
     indices = np.empty(int(token_indptr[-1]), dtype=np.int32)
     offset = token_indptr[:-1].copy()
     for level, count, start in zip(plan.levels, counts, starts, strict=True):

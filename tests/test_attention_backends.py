@@ -224,6 +224,17 @@ def test_small_decode_cascades_run_as_one_level_on_flashinfer_eager() -> None:
     assert choose_flat_decode(plan, 4, 8, 128, 2, Routing(eager_flat_kv_bytes=size - 1)) is None
     assert choose_flat_decode(plan, 16, 8, 128, 2, Routing(eager_flat_kv_bytes=size)) is None
     assert choose_flat_decode(plan, 4, 8, 128, 2, Routing(eager_flat_kv_bytes=0)) is None
+    # A malformed plan raises as the Triton route's plan would: a last page longer than a page.
+    bad_last = dataclasses.replace(plan.levels[-1], kv_last_page_len=np.full(8, 40, dtype=np.int32))
+    with pytest.raises(ValueError, match="kv_last_page_len"):
+        choose_flat_decode(
+            dataclasses.replace(plan, levels=(plan.levels[0], bad_last)),
+            4,
+            8,
+            128,
+            2,
+            Routing(eager_flat_kv_bytes=size),
+        )
     prefill = planner.plan(tables, [520] * 8, [4] * 8, 16)
     assert len(prefill.levels) == 2
     assert choose_flat_decode(prefill, 4, 8, 128, 2, Routing(eager_flat_kv_bytes=10 * size)) is None
@@ -455,6 +466,8 @@ def test_auto_backend_routes() -> None:
             assert len(plan.levels) == 2
         runner.plan(plan, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, q_dtype=dtype)
         assert runner.route == route
+        if runner is flat:  # the one-level plan, on the decode wrapper
+            assert len(flat._fi_backend._levels) == 1 and flat._fi_backend._decode_wrapper is not None
         q = torch.randn(sum(qo_lens), hq, d, generator=generator).to("cuda", dtype)
         expected = reference_attention(q, kv_cache, tables, kv_lens, qo_lens, d**-0.5)
         scale = float(expected.abs().max())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import pytest
 import torch
 from attention_reference import reference_attention
 from cascade_batches import Batch, batches
@@ -67,8 +68,10 @@ def _level(qo: list[int], kv: list[int], pages: list[int], last: list[int], caus
     return CascadeLevel(qo_indptr, kv_indptr, indices, last_len, causal)
 
 
-def _plan(*levels: CascadeLevel, rows: int = 2) -> CascadePlan:
-    order = np.arange(rows, dtype=np.int32)
+def _plan(*levels: CascadeLevel, requests: int | None = None) -> CascadePlan:
+    """A plan of ``levels`` in the engine's order; ``requests`` (default: the last level's groups)."""
+    order = np.arange(levels[-1].kv_last_page_len.shape[0] if requests is None else requests, dtype=np.int32)
+    rows = int(levels[-1].qo_indptr[-1])
     return CascadePlan(levels, order, order.copy(), np.arange(rows, dtype=np.int64), 16)
 
 
@@ -80,7 +83,7 @@ def test_plans_it_does_not_flatten() -> None:
     assert one_level_decode(_plan(shared, own)) is not None
     assert one_level_decode(_plan(own)) is None
     two_queries = _level([0, 2, 3], [0, 1, 2], [7, 8], [5, 9], True)
-    assert one_level_decode(_plan(_level([0, 3], [0, 1], [3], [16], False), two_queries, rows=3)) is None
+    assert one_level_decode(_plan(_level([0, 3], [0, 1], [3], [16], False), two_queries)) is None
     partial = _level([0, 2], [0, 1], [3], [8], False)
     assert one_level_decode(_plan(partial, own)) is None
     # A partial shared page is fine as the requests' last (two requests with the same KV).
@@ -89,5 +92,7 @@ def test_plans_it_does_not_flatten() -> None:
     assert flat is not None
     assert flat.levels[0].kv_indices.tolist() == [3, 3]
     assert flat.levels[0].kv_last_page_len.tolist() == [8, 8]
+    with pytest.raises(ValueError, match="one group per request"):
+        one_level_decode(_plan(shared, own, requests=3))
     no_kv = _level([0, 1, 2], [0, 1, 1], [7], [5, 0], True)
     assert one_level_decode(_plan(_level([0, 1, 2], [0, 1, 1], [3], [16, 0], False), no_kv)) is None

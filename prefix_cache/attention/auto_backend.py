@@ -104,7 +104,8 @@ def choose_flat_decode(
 ) -> CascadePlan | None:
     """For an eager plan of several levels: its one-level plan (``one_level_decode``) where
     ``Routing.eager_flat_kv_bytes`` sends it to FlashInfer's decode wrapper, else None. itemsize:
-    bytes per K or V element."""
+    bytes per K or V element. Raises ValueError for a malformed plan (``checked_levels``), as the
+    Triton route's ``plan`` would."""
     if routing.eager_flat_kv_bytes <= 0 or len(plan.levels) < 2 or group_size > routing.decode_max_group:
         return None
     # The pages the one level would read (each group's once per query row), before building it.
@@ -114,6 +115,7 @@ def choose_flat_decode(
     )
     if pages * plan.page_size * num_kv_heads * head_dim * 2 * itemsize > routing.eager_flat_kv_bytes:
         return None
+    checked_levels(plan)
     return one_level_decode(plan)
 
 
@@ -263,4 +265,5 @@ class AutoBackend(AttentionBackend):
                 self._graph_key.removeprefix("flashinfer-"), q, flashinfer_paged(kv_cache, k, v), out
             )
         else:
-            self._fi_backend._run(plan, q, kv_cache, k, v, out)
+            # Its own plan: the one-level plan of a flattened decode cascade, else ``plan``.
+            self._fi_backend._run(self._fi_backend._plan, q, kv_cache, k, v, out)
