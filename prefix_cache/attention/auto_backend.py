@@ -70,10 +70,12 @@ class Routing:
     eager_flat_kv_bytes: without a capacity, a decode cascade whose one-level plan reads at most
         this many bytes of K and V runs as that plan on FlashInfer's decode wrapper (GQA groups up
         to ``decode_max_group``); 0 never. Eager, such a batch is bound by host time: on the H200
-        machine's host a Triton launch costs ~15 µs and FlashInfer's decode wrapper ~22, so 512
-        tokens shared by 32 decodes took 38 µs of host per layer on our two launches against 22 on
-        that wrapper's one, whose GPU time was 29 µs against our 25 (benchmarks/NOTES.md, attempt
-        43); 128 MiB take ~30 µs at 4.25 TB/s.
+        machine's host a Triton launch costs ~15 µs and FlashInfer's decode wrapper ~22 (attempt
+        43). There, 512 tokens shared by 32 decodes took 45-47 µs per eager layer this way against
+        54-68 on our two launches, and page size 1's 1024 x 16 37-53 against 49-53, while their GPU
+        time grew from 15.8 to 17.5-17.8 µs and from 13.5-13.7 to 18.4-18.6 (the one level reads the
+        shared pages once per request; benchmarks/NOTES.md, attempt 44). 128 MiB take ~30 µs at
+        4.25 TB/s.
     """
 
     prefill_min_tokens: int = 64
