@@ -9,7 +9,9 @@ same batches), four arms on the planner's plan:
   wrapper;
 - ``triton``: ``create_backend("triton")``;
 - ``flashinfer decode``: FlashInfer's tensor-core decode wrapper called directly on the batch's
-  one-level inputs.
+  one-level inputs;
+- with ``--flat-mib N``, also ``auto, flat up to N MiB``: the auto backend with
+  ``Routing(eager_flat_kv_bytes=N * 2**20)``, to try another threshold.
 
 Every arm is checked against an fp32 reference first. The arms then alternate for ``--rounds``
 rounds; per round and arm: µs per layer (32 eager runs back to back, one sync, median of 10:
@@ -17,7 +19,8 @@ rounds; per round and arm: µs per layer (32 eager runs back to back, one sync, 
 rounds are reported, with each arm's GPU µs (20 runs captured in one CUDA graph, replayed) and its
 per-layer time against FlashInfer's wrapper's.
 
-Usage: ``python benchmarks/bench_eager_routes.py [--cases SUBSTRING ...] [--rounds 12] [--out DIR]``
+Usage: ``python benchmarks/bench_eager_routes.py [--cases SUBSTRING ...] [--rounds 12] [--flat-mib N]
+[--out DIR]``
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import shlex
 import statistics
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -36,8 +41,6 @@ from bench_run_host import graph_us
 from prefix_cache import CascadePlanner
 from prefix_cache.attention import create_backend
 from prefix_cache.attention.auto_backend import Routing
-
-ARMS = ("auto", "auto, no flat route", "triton", "flashinfer decode")
 
 
 def decode_cases(substrings: list[str]) -> list:
@@ -51,22 +54,23 @@ def decode_cases(substrings: list[str]) -> list:
     return chosen
 
 
-def arms_of(case, tables, kv_lens, qo_lens, q, kv_cache) -> dict:
-    """name -> (run, route) of the four arms, each writing its own output tensor."""
+def arms_of(case, tables, kv_lens, qo_lens, q, kv_cache, flat_mib: int | None) -> dict:
+    """name -> (run, route) of the arms, each writing its own output tensor."""
     import flashinfer
 
     dtype, device = q.dtype, q.device
     plan = CascadePlanner().plan(tables, kv_lens, qo_lens, case.page_size)
     heads = dict(num_qo_heads=case.hq, num_kv_heads=case.hkv, head_dim=case.d, q_dtype=dtype)
+    backends = {
+        "auto": create_backend("auto", device=device),
+        "auto, no flat route": create_backend("auto", device=device, routing=Routing(eager_flat_kv_bytes=0)),
+        "triton": create_backend("triton", device=device),
+    }
+    if flat_mib is not None:
+        routing = Routing(eager_flat_kv_bytes=flat_mib * 2**20)
+        backends[f"auto, flat up to {flat_mib} MiB"] = create_backend("auto", device=device, routing=routing)
     arms = {}
-    for name, backend in (
-        ("auto", create_backend("auto", device=device)),
-        (
-            "auto, no flat route",
-            create_backend("auto", device=device, routing=Routing(eager_flat_kv_bytes=0)),
-        ),
-        ("triton", create_backend("triton", device=device)),
-    ):
+    for name, backend in backends.items():
         backend.plan(plan, **heads)
         out = torch.empty_like(q)
         arms[name] = (lambda b=backend, o=out: b.run(q, kv_cache, out=o), getattr(backend, "route", name))
@@ -89,7 +93,7 @@ def arms_of(case, tables, kv_lens, qo_lens, q, kv_cache) -> dict:
     return arms
 
 
-def bench_case(case, rounds: int) -> dict:
+def bench_case(case, rounds: int, flat_mib: int | None) -> dict:
     tables, kv_lens, qo_lens, num_pages = build_batch(case)
     dtype = torch.bfloat16
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -98,7 +102,7 @@ def bench_case(case, rounds: int) -> dict:
     q = torch.randn(int(qo_lens.sum()), case.hq, case.d, generator=gen, device="cuda").to(dtype)
     ref = reference(q, kv_cache, tables, kv_lens, qo_lens, case.d**-0.5)
     scale = float(ref.abs().max())
-    arms = arms_of(case, tables, kv_lens, qo_lens, q, kv_cache)
+    arms = arms_of(case, tables, kv_lens, qo_lens, q, kv_cache, flat_mib)
     row: dict = {"case": case.name, "routes": {name: route for name, (_, route) in arms.items()}}
     for name, (run, _) in arms.items():
         err = float((run().float() - ref).abs().max()) / scale
@@ -118,16 +122,17 @@ def bench_case(case, rounds: int) -> dict:
 
 
 def markdown(rows: list[dict]) -> str:
+    names = list(rows[0]["routes"]) if rows else []
     lines = [
-        "| case | " + " | ".join(f"{name}: µs per layer (x FlashInfer), host, GPU" for name in ARMS) + " |",
-        "|---|" + "---|" * len(ARMS),
+        "| case | " + " | ".join(f"{name}: µs per layer (x FlashInfer), host, GPU" for name in names) + " |",
+        "|---|" + "---|" * len(names),
     ]
     for r in rows:
         fi = r["flashinfer decode layer_us"]
         cells = [
             f"{r[f'{name} layer_us']:.1f} ({r[f'{name} layer_us'] / fi:.2f}x), {r[f'{name} host_us']:.1f}, "
             f"{r[f'{name} gpu_us']:.1f} [{r['routes'][name]}]"
-            for name in ARMS
+            for name in names
         ]
         lines.append(f"| {r['case']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -137,6 +142,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="*", default=[], help="only cases whose name contains one of these")
     parser.add_argument("--rounds", type=int, default=12, help="alternations of the arms")
+    parser.add_argument("--flat-mib", type=int, default=None, help="add an auto arm with this flat threshold")
     parser.add_argument("--out", default="benchmarks/results", help="where eager_routes_h200.{md,json} go")
     args = parser.parse_args()
     import flashinfer
@@ -151,12 +157,13 @@ def main() -> None:
             "flashinfer": flashinfer.__version__,
         },
         "rounds": args.rounds,
+        "command": "python benchmarks/bench_eager_routes.py " + shlex.join(sys.argv[1:]),
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for case in decode_cases(args.cases):
-        rows.append(bench_case(case, args.rounds))
+        rows.append(bench_case(case, args.rounds, args.flat_mib))
         print(json.dumps(rows[-1]), flush=True)
         (out / "eager_routes_h200.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         (out / "eager_routes_h200.md").write_text(f"{json.dumps(meta)}\n\n{markdown(rows)}\n")
