@@ -308,6 +308,16 @@ def _has_cost_model() -> bool:
     return "cost_model" in getattr(CascadePlanner, "__dataclass_fields__", {})
 
 
+def paged_inputs(tables, kv_lens, page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FlashInfer's one-level page table of the batch, on the CPU: (kv_indptr, kv_indices,
+    kv_last_page_len), int32, each request's used pages in order."""
+    used = [np.asarray(t[: -(-int(n) // page_size)]) for t, n in zip(tables, kv_lens, strict=True)]
+    indptr = torch.tensor(np.concatenate([[0], np.cumsum([len(u) for u in used])]), dtype=torch.int32)
+    indices = torch.from_numpy(np.concatenate(used).astype(np.int32))
+    lens = [int(n) - (len(u) - 1) * page_size for u, n in zip(used, kv_lens, strict=True)]
+    return indptr, indices, torch.tensor(lens, dtype=torch.int32)
+
+
 def flashinfer_arms(case, tables, kv_lens, qo_lens, q, kv_cache, dtype, skipped: dict) -> list[Arm]:
     """FlashInfer's arms. A wrapper that cannot be built or planned for this batch (an unsupported
     group size, say) is reported in ``skipped`` under its arm's name; the other arms still run. A
@@ -319,12 +329,7 @@ def flashinfer_arms(case, tables, kv_lens, qo_lens, q, kv_cache, dtype, skipped:
     device = q.device
     arms = []
     ps = case.page_size
-    used = [np.asarray(t[: -(-int(n) // ps)]) for t, n in zip(tables, kv_lens, strict=True)]
-    indptr = torch.tensor(np.concatenate([[0], np.cumsum([len(u) for u in used])]), dtype=torch.int32)
-    indices = torch.from_numpy(np.concatenate(used).astype(np.int32))
-    last = torch.tensor(
-        [int(n) - (len(u) - 1) * ps for u, n in zip(used, kv_lens, strict=True)], dtype=torch.int32
-    )
+    indptr, indices, last = paged_inputs(tables, kv_lens, ps)
     qo_indptr = torch.tensor(np.concatenate([[0], np.cumsum(qo_lens)]), dtype=torch.int32)
     heads = (case.hq, case.hkv, case.d, ps)
     planned = dict(sm_scale=case.d**-0.5, q_data_type=dtype, kv_data_type=dtype)

@@ -27,16 +27,14 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import shlex
 import statistics
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
-from bench_attention import CASES, MAX_REL_ERR, build_batch, host_us, layer_us, reference
-from bench_run_host import graph_us
+from bench_attention import CASES, MAX_REL_ERR, host_us, layer_us, paged_inputs, reference
+from bench_run_host import cuda_batch, graph_us, save_rows
 
 from prefix_cache import CascadePlanner
 from prefix_cache.attention import create_backend
@@ -75,12 +73,7 @@ def arms_of(case, tables, kv_lens, qo_lens, q, kv_cache, flat_mib: int | None) -
         out = torch.empty_like(q)
         arms[name] = (lambda b=backend, o=out: b.run(q, kv_cache, out=o), getattr(backend, "route", name))
     ps = case.page_size
-    used = [np.asarray(t[: -(-int(n) // ps)]) for t, n in zip(tables, kv_lens, strict=True)]
-    indptr = torch.tensor(np.concatenate([[0], np.cumsum([len(u) for u in used])]), dtype=torch.int32)
-    indices = torch.from_numpy(np.concatenate(used).astype(np.int32))
-    last = torch.tensor(
-        [int(n) - (len(u) - 1) * ps for u, n in zip(used, kv_lens, strict=True)], dtype=torch.int32
-    )
+    indptr, indices, last = paged_inputs(tables, kv_lens, ps)
     wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
         torch.zeros(256 * 1024 * 1024, dtype=torch.uint8, device=device), "NHD", use_tensor_cores=True
     )
@@ -94,12 +87,7 @@ def arms_of(case, tables, kv_lens, qo_lens, q, kv_cache, flat_mib: int | None) -
 
 
 def bench_case(case, rounds: int, flat_mib: int | None) -> dict:
-    tables, kv_lens, qo_lens, num_pages = build_batch(case)
-    dtype = torch.bfloat16
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    kv_cache = torch.randn(num_pages, 2, case.page_size, case.hkv, case.d, generator=gen, device="cuda")
-    kv_cache = kv_cache.to(dtype)
-    q = torch.randn(int(qo_lens.sum()), case.hq, case.d, generator=gen, device="cuda").to(dtype)
+    tables, kv_lens, qo_lens, q, kv_cache = cuda_batch(case)
     ref = reference(q, kv_cache, tables, kv_lens, qo_lens, case.d**-0.5)
     scale = float(ref.abs().max())
     arms = arms_of(case, tables, kv_lens, qo_lens, q, kv_cache, flat_mib)
@@ -164,9 +152,7 @@ def main() -> None:
     rows = []
     for case in decode_cases(args.cases):
         rows.append(bench_case(case, args.rounds, args.flat_mib))
-        print(json.dumps(rows[-1]), flush=True)
-        (out / "eager_routes_h200.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-        (out / "eager_routes_h200.md").write_text(f"{json.dumps(meta)}\n\n{markdown(rows)}\n")
+        save_rows(out / "eager_routes_h200", meta, rows, markdown)
     print(markdown(rows))
 
 

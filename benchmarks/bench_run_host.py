@@ -24,6 +24,7 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -62,13 +63,19 @@ def graph_us(fn, runs: int = 20) -> float:
     return statistics.median(times)
 
 
-def bench_case(case) -> dict:
+def cuda_batch(case, dtype: torch.dtype = torch.bfloat16) -> tuple:
+    """(tables, kv_lens, qo_lens, q, kv_cache) of ``case`` (``build_batch``), q and the NHD pool
+    random on the GPU."""
     tables, kv_lens, qo_lens, num_pages = build_batch(case)
-    dtype = torch.bfloat16
     gen = torch.Generator(device="cuda").manual_seed(1)
     kv_cache = torch.randn(num_pages, 2, case.page_size, case.hkv, case.d, generator=gen, device="cuda")
-    kv_cache = kv_cache.to(dtype)
-    q = torch.randn(int(qo_lens.sum()), case.hq, case.d, generator=gen, device="cuda").to(dtype)
+    q = torch.randn(int(qo_lens.sum()), case.hq, case.d, generator=gen, device="cuda")
+    return tables, kv_lens, qo_lens, q.to(dtype), kv_cache.to(dtype)
+
+
+def bench_case(case) -> dict:
+    dtype = torch.bfloat16
+    tables, kv_lens, qo_lens, q, kv_cache = cuda_batch(case, dtype)
     out = torch.empty_like(q)
     plan = CascadePlanner().plan(tables, kv_lens, qo_lens, case.page_size)
     heads = dict(num_qo_heads=case.hq, num_kv_heads=case.hkv, head_dim=case.d, q_dtype=dtype)
@@ -155,6 +162,14 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def save_rows(stem: Path, meta: dict, rows: list[dict], markdown: Callable[[list[dict]], str]) -> None:
+    """Print the last row as JSON and write every row so far to ``stem``.json (meta and rows) and
+    ``stem``.md (meta, then the table): a run stopped part way keeps the cases it finished."""
+    print(json.dumps(rows[-1]), flush=True)
+    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    stem.with_suffix(".md").write_text(f"{json.dumps(meta)}\n\n{markdown(rows)}\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default="", help="only cases whose name contains this")
@@ -173,9 +188,7 @@ def main() -> None:
     for case in CASES:
         if args.cases in case.name:
             rows.append(bench_case(case))
-            print(json.dumps(rows[-1]), flush=True)
-            (out / "run_host_h200.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-            (out / "run_host_h200.md").write_text(f"{json.dumps(meta)}\n\n{markdown(rows)}\n")
+            save_rows(out / "run_host_h200", meta, rows, markdown)
     print(markdown(rows))
 
 
