@@ -38,7 +38,7 @@ from prefix_cache.kernels._common import num_sms
 from prefix_cache.kernels.work import fixed_tile_configs, tile_configs
 
 from prefix_cache.attention import create_backend
-from prefix_cache.attention.triton_backend import SHARED_ON_NARROW_READS, SHARED_ON_NARROW_ROWS
+from prefix_cache.attention.triton_schedule import SHARED_ON_NARROW_READS, SHARED_ON_NARROW_ROWS
 from prefix_cache.cascade_planner import CascadePlanner
 from prefix_cache.cost_model import COEFFICIENTS, DEFAULT_PATH, CostModel, PlanFeatures
 

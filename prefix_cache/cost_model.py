@@ -18,7 +18,7 @@ of resident programs waits for a second (benchmarks/NOTES.md, attempt 26). work_
 KV head (an M tile over one split of a group's KV), over all launches.
 
 These follow the Triton backend's schedule, replayed here in tokens for the calibrated model shape.
-Tiles (``TritonBackend._level_tiles``): a level's own tile holds its largest group's rows (query
+Tiles (``triton_schedule.level_tiles``): a level's own tile holds its largest group's rows (query
 tokens x ``group_size``, a power of two from ``min_rows`` to ``max_rows``); a plan runs the
 narrowest and the widest of its levels' tiles, each level on the narrower that holds it; and a
 shared level joins the narrow launch when it has at most ``join_rows`` rows, its narrow tiles read

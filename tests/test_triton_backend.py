@@ -18,8 +18,9 @@ from prefix_cache.cost_model import CostModel
 pytest.importorskip("triton")
 from prefix_cache.kernels import work
 
-from prefix_cache.attention import triton_backend
-from prefix_cache.attention.triton_backend import SHARED_ON_NARROW_ROWS, GraphCapacity, TritonBackend
+from prefix_cache.attention import triton_backend, triton_schedule
+from prefix_cache.attention.triton_backend import GraphCapacity, TritonBackend
+from prefix_cache.attention.triton_schedule import SHARED_ON_NARROW_ROWS
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HEADS = dict(num_qo_heads=2, num_kv_heads=1, head_dim=16)
@@ -179,7 +180,7 @@ def test_a_plan_runs_at_most_two_attention_launches(fixed: bool, monkeypatch: py
     launches, the branches on the root's wide tile: an exact plan on its own narrowest and widest
     tiles, a fixed-capacity one on its narrow and wide launches (its middle launch, which the
     branches fit, left out: key "triton"); the output is the reference's."""
-    monkeypatch.setattr(triton_backend, "SHARED_ON_NARROW_READS", 0)  # keep the branches off the narrow tile
+    monkeypatch.setattr(triton_schedule, "SHARED_ON_NARROW_READS", 0)  # keep the branches off the narrow tile
     gen = torch.Generator().manual_seed(4)
     requests = 40
     branch = [np.arange(8 + 4 * (r // 12), 12 + 4 * (r // 12)) if r < 24 else [] for r in range(requests)]
@@ -224,7 +225,7 @@ def test_a_prefix_shared_by_few_requests_runs_in_the_decode_launch(
     # The shared level on 16-row tiles: ceil(fits / 8) M tiles per KV head, each reading 32 tokens of
     # K and V.
     reads = -(-fits // 8) * 32 * kv_heads * 16 * 2
-    monkeypatch.setattr(triton_backend, "SHARED_ON_NARROW_READS", reads - (limit == "reads"))
+    monkeypatch.setattr(triton_schedule, "SHARED_ON_NARROW_READS", reads - (limit == "reads"))
     if limit == "slots":  # 1 SM x 4 resident decode programs, fewer than the unique level's 32+
         monkeypatch.setattr(triton_backend, "num_sms", lambda device: 1)
     batches = ((fits, 1 if limit is None else 2),) + (((fits + 1, 2),) if limit is None else ())

@@ -1,10 +1,10 @@
 """Cascade attention with the Triton kernels of ``prefix_cache.kernels``.
 
 ``plan`` cuts every level into work items (``prefix_cache.kernels.work``), groups the items of all
-levels by tile shape into one launch per shape, and uploads everything (work lists, page ids, row
-tables) into one int32 device buffer with a single copy. ``run`` then only checks the layer's
-tensors and launches: one attention launch per tile shape (one or two), then one merge
-launch. A query token with one partial state in all (one level's KV, unsplit) writes its output
+levels by tile shape into one launch per shape (``triton_schedule``), and uploads everything (work
+lists, page ids, row tables) into one int32 device buffer with a single copy. ``run`` then only
+checks the layer's tensors and launches: one attention launch per tile shape (one or two), then one
+merge launch. A query token with one partial state in all (one level's KV, unsplit) writes its output
 straight to its engine-order row. Every (level, split) of any other token writes a partial (out,
 lse) row into one float32 buffer, the token's rows contiguous; the merge combines them and writes
 the token's output to its engine-order row. The attention kernel reads q through the same
@@ -42,6 +42,7 @@ import torch
 from prefix_cache.attention.base import AttentionBackend, check_pool, reused_buffer
 from prefix_cache.attention.kv_layout import flashinfer_paged
 from prefix_cache.attention.plan_image import Sections, Upload, fill_image, output_states
+from prefix_cache.attention.triton_schedule import schedule
 from prefix_cache.cascade import CascadePlan
 from prefix_cache.kernels._common import LOG2E, dependent_launches, interpreting, num_sms
 from prefix_cache.kernels.attention import AttentionLaunch
@@ -52,26 +53,9 @@ from prefix_cache.kernels.work import (
     LevelArrays,
     TileConfig,
     check_levels,
-    end_to_end,
     fixed_tile_configs,
-    levels_work,
-    lone_decode_fits,
-    lone_decode_tile,
-    longest_first,
-    tile_configs,
 )
-from prefix_cache.kv_split import DECODE_TILE_ROWS, min_split_tokens
-
-# A shared (non-causal) level joins the decode tokens' launch on the narrow tile when it has at most
-# SHARED_ON_NARROW_ROWS rows per group, its narrow M tiles read at most SHARED_ON_NARROW_READS KV
-# elements (K and V over all KV heads, each M tile reading the level's KV, from L2 when they run side
-# by side) and the launch's M tiles, unsplit, fit in one wave of resident programs. It saves a launch
-# in an exact plan, and in any plan runs a level of few programs on 2-4x as many. Longer or busier
-# levels lose more to the extra reads. An H200 sweep: -13% to -38% on 2-8 KV heads over 2-4k
-# tokens, +3% to +56% over 8-32k (benchmarks/NOTES.md, attempt 22). Up to 128 rows rather than 64:
-# -8% to -34% on 24-32 decodes sharing 256-2048 tokens, +5% at the read limit (attempt 24).
-SHARED_ON_NARROW_ROWS = 128
-SHARED_ON_NARROW_READS = 1 << 25
+from prefix_cache.kv_split import DECODE_TILE_ROWS
 
 
 def persistent_waves(tile: TileConfig) -> int:
@@ -260,89 +244,14 @@ class TritonBackend(AttentionBackend):
         if self.dtype is not None:
             self._bind_launches(self.dtype, plan.page_size)
 
-    def _level_tiles(
-        self,
-        levels: list[LevelArrays],
-        causal: list[bool],
-        tiles: tuple[TileConfig, ...] | None,
-        page_size: int,
-        widest: bool = False,
-    ) -> list[TileConfig]:
-        """Each level's tile: the narrowest of ``tiles`` that holds its largest group's rows (under a
-        capacity the fixed tiles, else the narrowest and widest of the levels' own, ``tile_config``),
-        where a small shared level runs on the narrow tile instead, in the decode tokens' launch (see
-        ``SHARED_ON_NARROW_ROWS``). At most two launches: the levels off the narrow tile all run on
-        the widest tile one of them needs (on the last of ``tiles`` if ``widest``). With the levels
-        between on the wide tile, the four-level batch ran 17% faster than on three launches of its
-        own tiles, the system-prompt batch 2% slower (benchmarks/NOTES.md, attempt 22)."""
-        group = self.num_qo_heads // self.num_kv_heads
-        q_len, kv_len, starts = end_to_end(levels)
-        q_with_kv = q_len * (kv_len > 0)
-        rows = [r * group for r in np.maximum.reduceat(q_with_kv, starts).tolist()]
-        if tiles is None:
-            own = tile_configs(rows, group, self.head_dim, page_size)
-            tiles = (min(own, key=lambda tile: tile.block_m), max(own, key=lambda tile: tile.block_m))
-        fitting = [next((tile for tile in tiles if r <= tile.block_m), tiles[-1]) for r in rows]
-        narrow = tiles[0]
-        m_tiles = -(q_with_kv // -(narrow.block_m // group))  # per group with KV, on the narrow tile
-        m_sums = np.add.reduceat(m_tiles, starts).tolist()  # per level
-        read_sums = np.add.reduceat(m_tiles * kv_len, starts).tolist()  # KV tokens its M tiles read
-        programs = sum(m for m, tile in zip(m_sums, fitting, strict=True) if tile == narrow)
-        programs *= self.num_kv_heads
-        slots = num_sms(self.device) * narrow.resident_per_sm()
-        chosen = []
-        for tile, r, m, read, is_causal in zip(fitting, rows, m_sums, read_sums, causal, strict=True):
-            extra = m * self.num_kv_heads
-            reads = read * self.num_kv_heads * self.head_dim * 2
-            small = not is_causal and r <= SHARED_ON_NARROW_ROWS and reads <= SHARED_ON_NARROW_READS
-            if tile != narrow and small and programs + extra <= slots:
-                tile, programs = narrow, programs + extra
-            chosen.append(tile)
-        others = [tile for tile in chosen if tile != narrow]
-        if not others:
-            return chosen
-        second = tiles[-1] if widest else max(others, key=lambda tile: tile.block_m)
-        return [tile if tile == narrow else second for tile in chosen]
-
     def _schedule(self, plan, levels, causal, tiles, kv_chunk_size, max_splits=MAX_SPLITS, widest=False):
-        """Work items of ``levels`` (``causal`` per level), one list per tile, longest first: (tiles,
-        [work per tile], splits [levels, nq]). ``tiles`` None: the plan's own pair (``_level_tiles``),
-        the launches narrowest first; else the fixed tiles, all listed (with no items if no level
-        uses one). ``widest``: see ``_level_tiles``."""
-        group = self.num_qo_heads // self.num_kv_heads
-        level_tiles = self._level_tiles(levels, causal, tiles, plan.page_size, widest)
-        # Narrow launches (the unique level's decode) before wide ones (shared prefixes), as the
-        # fixed pair runs: an H200 sweep measured 5-15% less GPU time on several shared batches and no
-        # batch slower (benchmarks/NOTES.md, attempt 16).
-        used = sorted(set(level_tiles), key=lambda tile: tile.block_m) if tiles is None else list(tiles)
-        # The plan's levels count, with one run on FlashInfer: its merge folds several states per token.
-        min_split = min_split_tokens(len(plan.levels), min(t.block_m for t in level_tiles), self.head_dim)
-        sms = num_sms(self.device)
-        work, splits, item_level = levels_work(
-            levels, causal=causal, tiles=level_tiles, group_size=group,
-            num_kv_heads=self.num_kv_heads, sms=sms, kv_chunk_size=kv_chunk_size,
-            max_splits=max_splits, min_split=min_split,
+        """``triton_schedule.schedule`` of ``levels`` for this backend's heads and device."""
+        return schedule(
+            levels, causal, tiles, plan_levels=len(plan.levels), group=self.num_qo_heads // self.num_kv_heads,
+            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, page_size=plan.page_size,
+            sms=num_sms(self.device), kv_chunk_size=kv_chunk_size, max_splits=max_splits, widest=widest,
             row_stride=plan.num_query_tokens if self.capacity is None else self._tokens_cap,
         )  # fmt: skip
-        # A lone level of decodes filling one wave runs the same items on its own tile
-        # (``lone_decode_tile``); under a capacity, a launch of its own after the fixed ones.
-        if tiles is not None and (spare := lone_decode_tile(tiles[0], group, self.head_dim, plan.page_size)):
-            used.append(spare)
-        lone = lone_decode_tile(level_tiles[0], group, self.head_dim, plan.page_size)
-        if (
-            lone is not None
-            and len(plan.levels) == len(levels) == 1
-            and lone_decode_fits(work, self.num_kv_heads, lone, sms)
-        ):
-            level_tiles = [lone]
-            if tiles is None:
-                used = [lone]
-        if len(used) == 1:
-            return used, [longest_first(work)], splits
-        launch = np.array([used.index(tile) for tile in level_tiles])[item_level]
-        work = longest_first(work, launch)
-        ends = np.cumsum(np.bincount(launch, minlength=len(used))).tolist()
-        return used, [work[start:end] for start, end in zip([0, *ends], ends, strict=False)], splits
 
     def _plan_external(self, plan: CascadePlan, levels, order: np.ndarray):
         """(levels, causal, ext): the plan's checked levels and their causal flags without the one
