@@ -85,7 +85,7 @@ class Routing:
     graph_triton_decodes_large_heads: int = 16
     graph_fa3_decodes: int = 2
     graph_fa3_decode_kv: int = 256
-    eager_flat_kv_bytes: int = 128 * 2**20
+    eager_flat_kv_bytes: int = 256 * 2**20
 
 
 def choose_route(plan: CascadePlan, group_size: int, routing: Routing) -> str:
