@@ -71,11 +71,13 @@ class Routing:
         this many bytes of K and V runs as that plan on FlashInfer's decode wrapper (GQA groups up
         to ``decode_max_group``); 0 never. Eager, such a batch is bound by host time: on the H200
         machine's host a Triton launch costs ~15 µs and FlashInfer's decode wrapper ~22 (attempt
-        43). There, 512 tokens shared by 32 decodes took 45-47 µs per eager layer this way against
-        54-68 on our two launches, and page size 1's 1024 x 16 37-53 against 49-53, while their GPU
-        time grew from 15.8 to 17.5-17.8 µs and from 13.5-13.7 to 18.4-18.6 (the one level reads the
-        shared pages once per request; benchmarks/NOTES.md, attempt 44). 128 MiB take ~30 µs at
-        4.25 TB/s.
+        43), so the one launch wins while the one level's GPU time stays under our launches' host
+        time. There (benchmarks/results/eager_routes_h200.md, per eager layer against the Triton
+        route and the wrapper called directly): 512 tokens shared by 32 decodes 42.9 µs against
+        68.6 and 28.5, page size 1's 1024 x 16 48.6 against 65.5 and 34.4, and SmolLM2's 4096 x 64
+        (204 MiB as one level) 49.1 against 86.7 and 48.9, while their GPU time grew from 15.4 to
+        17.4, 13.4 to 18.9 and 20.2 to 47.8 µs (the one level reads the shared pages once per
+        request). 256 MiB take ~60 µs at 4.25 TB/s.
     """
 
     prefill_min_tokens: int = 64
