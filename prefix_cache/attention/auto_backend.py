@@ -77,7 +77,7 @@ class Routing:
         68.6 and 28.5, page size 1's 1024 x 16 48.6 against 65.5 and 34.4, and SmolLM2's 4096 x 64
         (204 MiB as one level) 49.1 against 86.7 and 48.9, while their GPU time grew from 15.4 to
         17.4, 13.4 to 18.9 and 20.2 to 47.8 µs (the one level reads the shared pages once per
-        request). 256 MiB take ~60 µs at 4.25 TB/s.
+        request). 256 MiB take ~63 µs at 4.25 TB/s.
     """
 
     prefill_min_tokens: int = 64
