@@ -473,6 +473,11 @@ def test_auto_backend_routes() -> None:
         scale = float(expected.abs().max())
         out = runner.run(q, kv_cache)
         torch.testing.assert_close(out.double(), expected, atol=1.6e-2 * scale, rtol=0, msg=route)
+        # Every route refuses a pool without the pages the plan reads (FlashInfer's kernels would read
+        # past it).
+        top = max(int(table.max()) for table in tables)
+        with pytest.raises(ValueError, match=f"references page {top}, the KV cache has {top} pages"):
+            runner.run(q, kv_cache[:top])
         # The caller's output: contiguous (one-level FlashInfer plans write it in place) and strided
         # (written through a copy).
         strided = torch.full((q.shape[0], hq, 2 * d), float("nan"), dtype=dtype, device="cuda")[..., :d]
@@ -827,6 +832,36 @@ def test_auto_backend_graph_launches_check_the_pool() -> None:
         torch.testing.assert_close(backend.run(q, kv_cache).double(), expected, atol=1e-2, rtol=1e-2)
         with pytest.raises(ValueError, match="references page 41, the KV cache has 41 pages"):
             backend.run(q, kv_cache[:41])
+
+
+def test_flashinfer_backend_checks_page_ids(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The FlashInfer backend (its prefill wrapper on the stand-in, on CPU) refuses a plan with a
+    negative page id at ``plan`` and a pool without the pages the plan reads at ``run``: FlashInfer's
+    kernels would read out of bounds. The plan it keeps is right."""
+    import flashinfer_stand_in
+
+    from prefix_cache.attention.flashinfer_backend import FlashInferBackend
+
+    monkeypatch.setitem(sys.modules, "flashinfer", flashinfer_stand_in)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the backend runs on the stand-in
+    tables, kv_lens, qo_lens = [np.array([5, 40]), np.array([41])], [7, 3], [3, 2]
+    generator = torch.Generator().manual_seed(5)
+    kv_cache = torch.randn(42, 2, 4, 2, 16, generator=generator).bfloat16()
+    q = torch.randn(5, 4, 16, generator=generator).bfloat16()
+    expected = reference_attention(q, kv_cache, tables, kv_lens, qo_lens, 0.25)
+    backend = FlashInferBackend("cpu", workspace_bytes=1 << 20)
+    heads = dict(num_qo_heads=4, num_kv_heads=2, head_dim=16, q_dtype=torch.bfloat16)
+    plan = CascadePlanner().plan(tables, kv_lens, qo_lens, 4)
+    backend.plan(plan, **heads)
+    torch.testing.assert_close(backend.run(q, kv_cache).double(), expected, atol=1e-2, rtol=1e-2)
+    with pytest.raises(ValueError, match="references page 41, the KV cache has 41 pages"):
+        backend.run(q, kv_cache[:41])
+    level = plan.levels[0]
+    negative = dataclasses.replace(level, kv_indices=np.where(level.kv_indices == 40, -1, level.kv_indices))
+    with pytest.raises(ValueError, match="page ids in"):
+        backend.plan(dataclasses.replace(plan, levels=(negative,)), **heads)
+    with pytest.raises(RuntimeError, match="before plan"):
+        backend.run(q, kv_cache)
 
 
 @pytest.mark.parametrize(

@@ -23,8 +23,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from prefix_cache.attention.base import AttentionBackend, in_engine_order, to_planned_order
+from prefix_cache.attention.base import AttentionBackend, check_pool, in_engine_order, to_planned_order
 from prefix_cache.attention.kv_layout import flashinfer_paged
+from prefix_cache.attention.triton_backend import checked_levels
 from prefix_cache.cascade import CascadeLevel, CascadePlan
 
 _FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
@@ -108,10 +109,14 @@ class FlashInferBackend(AttentionBackend):
         self._query_order = torch.zeros(0, dtype=torch.int64)
         self._in_order = True
         self._planned_dtype: torch.dtype | None = None
+        self._max_page = -1  # the largest page id the current plan reads
         self._decode = None  # made on first use
         self._decode_wrapper = None  # the decode wrapper when the current plan is plain decode
 
     def _prepare(self, plan: CascadePlan) -> None:
+        # FlashInfer's kernels read whatever page ids they are given: the Triton backend's checks,
+        # once per plan (``run`` then compares the largest id with the pool's size).
+        self._max_page = max((level.max_page for level in checked_levels(plan)), default=-1)
         levels = [compact_level(level) for level in plan.levels]
         # The merge starts from the last level's state, which must hold every query row.
         if plan.num_query_tokens and levels[-1].rows is not None:
@@ -135,8 +140,7 @@ class FlashInferBackend(AttentionBackend):
     def _run(self, plan: CascadePlan, q, kv_cache, k, v, out) -> None:
         if q.dtype not in _FLASHINFER_DTYPES:
             raise ValueError(f"the 'flashinfer' attention backend takes fp16 or bf16, got {q.dtype}")
-        if q.device != self._device:
-            raise ValueError(f"q is on {q.device}, this backend on {self._device}")
+        check_pool(self._device, self._max_page, q, k)
         if plan.num_query_tokens == 0:
             return
         if self._planned_dtype != q.dtype:
