@@ -207,10 +207,9 @@ def test_small_decode_reaches_flashinfer_in_engine_order() -> None:
 
 def test_small_decode_cascades_run_as_one_level_on_flashinfer_eager() -> None:
     """``Routing.eager_flat_kv_bytes``: a decode cascade whose one-level plan reads at most that
-    many bytes of K and V (the shared pages' re-reads counted half while those pages fit in
-    ``eager_flat_l2_bytes``) is handed over as that plan (which the eager route sends to
-    FlashInfer's decode wrapper); not past the limit, not for GQA groups over ``decode_max_group``,
-    not for prefill chunks, not at 0."""
+    many bytes of K and V is handed over as that plan (which the eager route sends to FlashInfer's
+    decode wrapper); not past the limit, not for GQA groups over ``decode_max_group``, not for
+    prefill chunks, not at 0."""
     from prefix_cache.attention.auto_backend import Routing, choose_flat_decode, choose_route
 
     planner = CascadePlanner(min_shared_tokens=256, min_saved_tokens=0)
@@ -218,58 +217,31 @@ def test_small_decode_cascades_run_as_one_level_on_flashinfer_eager() -> None:
     tables = [np.array([*shared, 100 + i]) for i in range(8)]
     plan = planner.plan(tables, [520] * 8, [1] * 8, 16)
     assert len(plan.levels) == 2
-    page = 16 * 8 * 128 * 2 * 2  # tokens x KV heads x head_dim x (K, V) x bf16
-    # 8 x 33 pages read, 7 x 32 of them re-reads of the shared pages, counted half.
-    size = (8 * 33 - 7 * 32 // 2) * page
-    flat = choose_flat_decode(plan, 4, 8, 128, 2, Routing(eager_flat_kv_bytes=size), 132)
+    size = 8 * 33 * 16 * 8 * 128 * 2 * 2  # requests x pages x tokens x KV heads x head_dim x (K, V) x bf16
+    flat = choose_flat_decode(plan, 4, 8, 128, 2, Routing(eager_flat_kv_bytes=size))
     assert flat is not None and len(flat.levels) == 1
     assert choose_route(flat, 4, Routing()) == "flashinfer"
-    assert choose_flat_decode(plan, 4, 8, 128, 2, Routing(eager_flat_kv_bytes=size - 1), 132) is None
-    # Shared pages past the L2 budget: every read counts.
-    no_l2 = Routing(eager_flat_kv_bytes=size, eager_flat_l2_bytes=32 * page - 1)
-    assert choose_flat_decode(plan, 4, 8, 128, 2, no_l2, 132) is None
-    no_l2 = Routing(eager_flat_kv_bytes=8 * 33 * page, eager_flat_l2_bytes=32 * page - 1)
-    assert choose_flat_decode(plan, 4, 8, 128, 2, no_l2, 132) is not None
-    assert choose_flat_decode(plan, 16, 8, 128, 2, Routing(eager_flat_kv_bytes=size), 132) is None
-    assert choose_flat_decode(plan, 4, 8, 128, 2, Routing(eager_flat_kv_bytes=0), 132) is None
+    assert choose_flat_decode(plan, 4, 8, 128, 2, Routing(eager_flat_kv_bytes=size - 1)) is None
+    assert choose_flat_decode(plan, 16, 8, 128, 2, Routing(eager_flat_kv_bytes=size)) is None
+    assert choose_flat_decode(plan, 4, 8, 128, 2, Routing(eager_flat_kv_bytes=0)) is None
     # A malformed plan raises as the Triton route's plan would: a last page longer than a page.
     bad_last = dataclasses.replace(plan.levels[-1], kv_last_page_len=np.full(8, 40, dtype=np.int32))
     with pytest.raises(ValueError, match="kv_last_page_len"):
-        bad = dataclasses.replace(plan, levels=(plan.levels[0], bad_last))
-        choose_flat_decode(bad, 4, 8, 128, 2, Routing(eager_flat_kv_bytes=size), 132)
+        choose_flat_decode(
+            dataclasses.replace(plan, levels=(plan.levels[0], bad_last)),
+            4,
+            8,
+            128,
+            2,
+            Routing(eager_flat_kv_bytes=size),
+        )
     prefill = planner.plan(tables, [520] * 8, [4] * 8, 16)
     assert len(prefill.levels) == 2
-    assert choose_flat_decode(prefill, 4, 8, 128, 2, Routing(eager_flat_kv_bytes=10 * size), 132) is None
-    # The default takes 512 tokens shared by 32 decodes of 256 more at Llama-3-8B's heads (65 MiB).
+    assert choose_flat_decode(prefill, 4, 8, 128, 2, Routing(eager_flat_kv_bytes=10 * size)) is None
+    # The default takes 512 tokens shared by 32 decodes of 256 more at Llama-3-8B's heads (96 MiB).
     tables = [np.array([*shared, *range(100 + 16 * i, 116 + 16 * i)]) for i in range(32)]
     plan = planner.plan(tables, [768] * 32, [1] * 32, 16)
-    assert len(plan.levels) == 2 and choose_flat_decode(plan, 4, 8, 128, 2, Routing(), 132) is not None
-
-
-@pytest.mark.parametrize(
-    ("page_size", "head_dim", "heads", "flat"),
-    [(64, 128, (32, 8), True), (16, 256, (16, 8), False)],
-)
-def test_flat_decode_budget_grows_with_our_launches(
-    page_size: int, head_dim: int, heads: tuple[int, int], flat: bool
-) -> None:
-    """Two grid batches, 4096 (page 64) and 2048 (d256) tokens shared by 32 decodes of 256 more,
-    whose one-level plans count 296 and 328 MiB: over ``eager_flat_kv_bytes`` both, within the
-    second launch's budget, which applies where our kernels take two attention launches (the first
-    one) and not where they take one (the second; its wrapper took 79 µs of GPU time on the H200,
-    our route 65 µs of host)."""
-    from prefix_cache.attention.auto_backend import Routing, choose_flat_decode
-
-    shared = 4096 if page_size == 64 else 2048
-    pages, own = shared // page_size, 256 // page_size
-    tables = [np.array([*range(pages), *range(pages + own * i, pages + own * (i + 1))]) for i in range(32)]
-    plan = CascadePlanner().plan(tables, [shared + 256] * 32, [1] * 32, page_size)
-    assert len(plan.levels) == 2
-    group = heads[0] // heads[1]
-    args = (plan, group, heads[1], head_dim, 2)
-    assert (choose_flat_decode(*args, Routing(), 132) is not None) == flat
-    assert choose_flat_decode(*args, Routing(eager_flat_second_launch_bytes=0), 132) is None
-    assert choose_flat_decode(*args, Routing(eager_flat_kv_bytes=330 * 2**20), 132) is not None
+    assert len(plan.levels) == 2 and choose_flat_decode(plan, 4, 8, 128, 2, Routing()) is not None
 
 
 def test_prefill_cascade_with_an_fa3_level_takes_the_triton_route() -> None:

@@ -8,8 +8,7 @@ come from the side-by-side measurements in benchmarks/results/attention_h200.md)
   wrapper; and plain one-level decode with a GQA group of at most 8, on FlashInfer's tensor-core
   decode wrapper (faster than ours on small unshared batches).
 - ``flashinfer`` too, eager only: a small decode cascade (``Routing.eager_flat_kv_bytes``) as its
-  one-level plan (``one_level_decode``) on that decode wrapper: one launch where ours make two or
-  three.
+  one-level plan (``one_level_decode``) on that decode wrapper: one launch where ours make two.
 - ``triton``: everything else, in particular every other decode batch with shared levels. On Hopper, a
   long shared level with many query rows (``LevelRule``) runs there on FlashInfer's FA3 kernel, its
   KV split by hand, merged with our kernels' other levels
@@ -43,9 +42,7 @@ from prefix_cache.attention.base import AttentionBackend, check_pool, in_engine_
 from prefix_cache.attention.flashinfer_levels import LevelRule, SharedLevelsOnFlashInfer
 from prefix_cache.attention.kv_layout import flashinfer_paged
 from prefix_cache.attention.triton_backend import GraphCapacity, TritonBackend, checked_levels
-from prefix_cache.attention.triton_schedule import level_tiles
 from prefix_cache.cascade import CascadePlan, one_level_decode
-from prefix_cache.kernels._common import num_sms
 from prefix_cache.kv_split import DECODE_TILE_ROWS, MIN_SPLIT_TOKENS, min_split_tokens
 
 
@@ -70,22 +67,17 @@ class Routing:
         ``graph_fa3_decodes`` requests, none over ``graph_fa3_decode_kv`` KV tokens, run on
         FlashInfer's prefill kernels (FA3 on Hopper), which do not split: 1 x 64 to 2 x 256 replayed
         2-3.5 µs (13-26%) faster than on its split decode kernels, 1 x 1024 and 8 x 256 slower.
-    eager_flat_kv_bytes, eager_flat_second_launch_bytes, eager_flat_l2_bytes: without a capacity, a
-        decode cascade runs as its one-level plan on FlashInfer's decode wrapper (GQA groups up to
-        ``decode_max_group``) where that plan's reads (``flat_read_bytes``: K and V, re-reads of the
-        shared pages counted half when those pages fit in ``eager_flat_l2_bytes``) come to at most
-        ``eager_flat_kv_bytes``, plus ``eager_flat_second_launch_bytes`` when our kernels would
-        take two attention launches; ``eager_flat_kv_bytes`` 0: never. Eager, such a batch is bound
-        by host time: the one launch wins while its GPU time stays under our launches' host time.
-        On the H200 machine's host our route cost ~65 µs per eager layer with one attention launch
-        (and the merge) and ~87 with two, the wrapper ~22 µs plus ours (attempts 43-45), and the
-        wrapper's GPU time on the grid's decode cascades was 0.22-0.26 µs per MiB so counted (d64
-        and page 1: 0.44-0.47; re-reads from L2 cost 0.45-0.51 of a first read): 256 MiB take
-        ~63 µs, 352 ~87. There (benchmarks/results/eager_routes_h200.md, per eager layer against
-        the Triton route and the wrapper called directly): 512 tokens shared by 32 decodes 42.9 µs
-        against 68.6 and 28.5, page size 1's 1024 x 16 48.6 against 65.5 and 34.4, and SmolLM2's
-        4096 x 64 49.1 against 86.7 and 48.9, while their GPU time grew from 15.4 to 17.4, 13.4
-        to 18.9 and 20.2 to 47.8 µs (the one level reads the shared pages once per request).
+    eager_flat_kv_bytes: without a capacity, a decode cascade whose one-level plan reads at most
+        this many bytes of K and V runs as that plan on FlashInfer's decode wrapper (GQA groups up
+        to ``decode_max_group``); 0 never. Eager, such a batch is bound by host time: on the H200
+        machine's host a Triton launch costs ~15 µs and FlashInfer's decode wrapper ~22 (attempt
+        43), so the one launch wins while the one level's GPU time stays under our launches' host
+        time. There (benchmarks/results/eager_routes_h200.md, per eager layer against the Triton
+        route and the wrapper called directly): 512 tokens shared by 32 decodes 42.9 µs against
+        68.6 and 28.5, page size 1's 1024 x 16 48.6 against 65.5 and 34.4, and SmolLM2's 4096 x 64
+        (204 MiB as one level) 49.1 against 86.7 and 48.9, while their GPU time grew from 15.4 to
+        17.4, 13.4 to 18.9 and 20.2 to 47.8 µs (the one level reads the shared pages once per
+        request). 256 MiB take ~63 µs at 4.25 TB/s.
     """
 
     prefill_min_tokens: int = 64
@@ -96,8 +88,6 @@ class Routing:
     graph_fa3_decodes: int = 2
     graph_fa3_decode_kv: int = 256
     eager_flat_kv_bytes: int = 256 * 2**20
-    eager_flat_second_launch_bytes: int = 96 * 2**20
-    eager_flat_l2_bytes: int = 32 * 2**20
 
 
 def choose_route(plan: CascadePlan, group_size: int, routing: Routing) -> str:
@@ -113,54 +103,23 @@ def choose_route(plan: CascadePlan, group_size: int, routing: Routing) -> str:
     return "triton"
 
 
-def flat_read_bytes(plan: CascadePlan, page_bytes: int, l2_bytes: int) -> int:
-    """Bytes of K and V the one-level plan of a decode cascade reads, as ``Routing`` weighs them:
-    every query row reads its request's pages (each shared page once per row that shares it), and
-    when the shared levels' pages, counted once, fit in ``l2_bytes``, the reads after the first of
-    each shared page count half (they come from L2). page_bytes: K and V of one page."""
-    reads = shared = once = 0
-    for i, level in enumerate(plan.levels):
-        pages = np.diff(level.kv_indptr.astype(np.int64))
-        rows = np.diff(level.qo_indptr.astype(np.int64))
-        level_reads = int((pages * rows).sum())
-        reads += level_reads
-        if i < len(plan.levels) - 1:
-            shared += level_reads
-            once += int(pages[rows > 0].sum())
-    if once * page_bytes <= l2_bytes:
-        reads -= (shared - once) / 2
-    return int(reads * page_bytes)
-
-
 def choose_flat_decode(
-    plan: CascadePlan,
-    group_size: int,
-    num_kv_heads: int,
-    head_dim: int,
-    itemsize: int,
-    routing: Routing,
-    sms: int,
+    plan: CascadePlan, group_size: int, num_kv_heads: int, head_dim: int, itemsize: int, routing: Routing
 ) -> CascadePlan | None:
     """For an eager plan of several levels: its one-level plan (``one_level_decode``) where
-    ``Routing.eager_flat_kv_bytes`` and its companions send it to FlashInfer's decode wrapper, else
-    None. itemsize: bytes per K or V element; sms: the device's multiprocessors (our kernels'
-    launches, ``triton_schedule.level_tiles``). Raises ValueError for a malformed plan
-    (``checked_levels``), as the Triton route's ``plan`` would."""
+    ``Routing.eager_flat_kv_bytes`` sends it to FlashInfer's decode wrapper, else None. itemsize:
+    bytes per K or V element. Raises ValueError for a malformed plan (``checked_levels``), as the
+    Triton route's ``plan`` would."""
     if routing.eager_flat_kv_bytes <= 0 or len(plan.levels) < 2 or group_size > routing.decode_max_group:
         return None
-    # The bytes first, from the indptrs alone: a batch too large for either budget costs one pass.
-    page_bytes = plan.page_size * num_kv_heads * head_dim * 2 * itemsize
-    size = flat_read_bytes(plan, page_bytes, routing.eager_flat_l2_bytes)
-    if size > routing.eager_flat_kv_bytes + routing.eager_flat_second_launch_bytes:
+    # The pages the one level would read (each group's once per query row), before building it.
+    pages = sum(
+        int((np.diff(lv.kv_indptr.astype(np.int64)) * np.diff(lv.qo_indptr.astype(np.int64))).sum())
+        for lv in plan.levels
+    )
+    if pages * plan.page_size * num_kv_heads * head_dim * 2 * itemsize > routing.eager_flat_kv_bytes:
         return None
-    levels = checked_levels(plan)
-    if size > routing.eager_flat_kv_bytes:
-        tiles = level_tiles(
-            levels, [level.causal for level in plan.levels], None, group=group_size,
-            num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=plan.page_size, sms=sms,
-        )  # fmt: skip
-        if len(set(tiles)) < 2:
-            return None
+    checked_levels(plan)
     return one_level_decode(plan)
 
 
@@ -277,9 +236,8 @@ class AutoBackend(AttentionBackend):
             route = "triton"
         if route == "triton" and flashinfer:
             flat = choose_flat_decode(
-                plan, group, self.num_kv_heads, self.head_dim, self.dtype.itemsize, self.routing,
-                num_sms(self.device),
-            )  # fmt: skip
+                plan, group, self.num_kv_heads, self.head_dim, self.dtype.itemsize, self.routing
+            )
             if flat is not None:
                 plan, route = flat, "flashinfer"
         if route == "flashinfer":
