@@ -33,12 +33,12 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from prefix_cache.cache import PrefixCache
-from prefix_cache.hashing import Namespace, default_hash_fn
+from prefix_cache.cache.hashing import Namespace, default_hash_fn
+from prefix_cache.cache.prefix_cache import PrefixCache
+from prefix_cache.cache.sequence import Sequence
 from prefix_cache.replay.conversation import Conversation
 from prefix_cache.replay.simulator import ReplayResult, SchedulerConfig, replay
 from prefix_cache.replay.workloads import sharegpt_workload
-from prefix_cache.sequence import Sequence
 
 # Git-ignored: a plain run never overwrites the committed results file next to it.
 RESULTS = Path(__file__).resolve().parent / "results" / "local" / "cache_sharegpt.md"

@@ -1,4 +1,4 @@
-"""Fit the planner's cost model (``prefix_cache.cost_model``) to measured attention times.
+"""Fit the planner's cost model (``prefix_cache.planner.cost_model``) to measured attention times.
 
 Two steps, the first on a CUDA GPU:
 
@@ -39,8 +39,8 @@ from prefix_cache.kernels.work import fixed_tile_configs, tile_configs
 
 from prefix_cache.attention import create_backend
 from prefix_cache.attention.triton_schedule import SHARED_ON_NARROW_READS, SHARED_ON_NARROW_ROWS
-from prefix_cache.cascade_planner import CascadePlanner
-from prefix_cache.cost_model import COEFFICIENTS, DEFAULT_PATH, CostModel, PlanFeatures
+from prefix_cache.planner.cost_model import COEFFICIENTS, DEFAULT_PATH, CostModel, PlanFeatures
+from prefix_cache.planner.planner import CascadePlanner
 
 HERE = Path(__file__).resolve().parent
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from prefix_cache.cache import PrefixCache
+from prefix_cache.cache.prefix_cache import PrefixCache
 from prefix_cache.replay.chat import ChatTemplate
 
 CHAT = [

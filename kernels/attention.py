@@ -49,7 +49,7 @@ from prefix_cache.kernels.work import (
 )
 
 from prefix_cache.attention.kv_layout import KVCache, split_kv_cache
-from prefix_cache.kv_split import min_split_tokens
+from prefix_cache.planner.kv_split import min_split_tokens
 
 
 @triton.jit

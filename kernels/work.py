@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from prefix_cache.kernels._common import cdiv, interpreting, next_pow2
 
-from prefix_cache.kv_split import DECODE_TILE_ROWS, MAX_SPLITS, MIN_SPLIT_TOKENS, UNSPLIT, best_chunk
+from prefix_cache.planner.kv_split import DECODE_TILE_ROWS, MAX_SPLITS, MIN_SPLIT_TOKENS, UNSPLIT, best_chunk
 
 # Columns of a work item (int32): query tokens [Q0, Q1) of the tile (planned order), the group's
 # first entry in kv_indices, KV token range [KV0, KV1) of this split, the split's index, the causal

@@ -6,12 +6,19 @@ run such a plan live in ``prefix_cache.attention`` (``create_backend("torch" | "
 "flashinfer")``); they need torch, the bookkeeping here does not import it.
 """
 
-from prefix_cache.cache import ConcurrentUseError, OutOfPages, PrefixCache, PrefixCacheError
-from prefix_cache.cascade import CascadeLevel, CascadePlan
-from prefix_cache.cascade_planner import CascadePlanner
-from prefix_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
-from prefix_cache.sequence import Sequence
-from prefix_cache.stats import CacheStats
+from prefix_cache.cache import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    CacheStats,
+    ConcurrentUseError,
+    KVCacheEvent,
+    OutOfPages,
+    PrefixCache,
+    PrefixCacheError,
+    Sequence,
+)
+from prefix_cache.planner import CascadeLevel, CascadePlan, CascadePlanner
 
 __all__ = [
     "AllBlocksCleared",

@@ -1,6 +1,6 @@
 """Command line: ``prefix-cache replay [options]`` (or ``python -m prefix_cache replay``).
 
-Replays multi-turn chat conversations through a :class:`prefix_cache.cache.PrefixCache` under a
+Replays multi-turn chat conversations through a :class:`prefix_cache.cache.prefix_cache.PrefixCache` under a
 simulated continuous-batching scheduler and prints the hit rate, the best possible hit rate, page
 use and the time spent in cache calls. See :mod:`prefix_cache.replay.simulator` for the model.
 

@@ -14,8 +14,8 @@ from prefix_cache.attention import create_backend
 from prefix_cache.attention.flashinfer_backend import compact_level
 from prefix_cache.attention.merge import merge_states
 from prefix_cache.attention.torch_backend import TorchBackend
-from prefix_cache.cascade import CascadeLevel
-from prefix_cache.cascade_planner import CascadePlanner
+from prefix_cache.planner.plan import CascadeLevel
+from prefix_cache.planner.planner import CascadePlanner
 
 BACKENDS = ["torch", "triton", "auto", "flashinfer"]
 CUDA = torch.cuda.is_available()

@@ -10,10 +10,10 @@ import torch
 from test_cache_helpers import chain_keys, held_pages, run_prompt, snapshot
 from xxhash import xxh3_64_intdigest
 
-from prefix_cache.cache import InvariantError, OutOfPages, PrefixCache, PrefixCacheError
-from prefix_cache.events import AllBlocksCleared, BlockRemoved, BlockStored
-from prefix_cache.sequence import _cast_int_view
-from prefix_cache.stats import CacheStats
+from prefix_cache.cache.events import AllBlocksCleared, BlockRemoved, BlockStored
+from prefix_cache.cache.prefix_cache import InvariantError, OutOfPages, PrefixCache, PrefixCacheError
+from prefix_cache.cache.sequence import _cast_int_view
+from prefix_cache.cache.stats import CacheStats
 
 
 def test_engine_flow() -> None:

@@ -7,9 +7,9 @@ import pytest
 from test_cache_helpers import snapshot
 from xxhash import xxh3_64_intdigest
 
-from prefix_cache.cache import PrefixCache
-from prefix_cache.events import AllBlocksCleared, BlockStored
-from prefix_cache.hashing import namespace_seed
+from prefix_cache.cache.events import AllBlocksCleared, BlockStored
+from prefix_cache.cache.hashing import namespace_seed
+from prefix_cache.cache.prefix_cache import PrefixCache
 
 PROMPT = list(range(100, 113))  # 13 tokens: pages 0-2 full at page size 4, token 12 on its own
 IMAGE_A = [(5, 9, b"image-a")]  # placeholder tokens 5..8: pages 1 and 2
@@ -26,7 +26,7 @@ def admit_all(cache: PrefixCache, prompt, extra_keys=None, close: bool = True):
 
 
 def identity(tokens: list[int], *keys: bytes) -> bytes:
-    """A page's identity bytes, as documented in prefix_cache.hashing."""
+    """A page's identity bytes, as documented in prefix_cache.cache.hashing."""
     extra = b"".join(len(key).to_bytes(4, "little") + key for key in keys)
     return np.asarray(tokens, dtype=np.int32).tobytes() + extra
 

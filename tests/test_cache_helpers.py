@@ -8,10 +8,10 @@ from collections.abc import Sequence as Seq
 import numpy as np
 from xxhash import xxh3_64_intdigest
 
-from prefix_cache.cache import PrefixCache
-from prefix_cache.hashing import Namespace, namespace_seed
-from prefix_cache.sequence import Sequence
-from prefix_cache.tree_nodes import Node
+from prefix_cache.cache.hashing import Namespace, namespace_seed
+from prefix_cache.cache.prefix_cache import PrefixCache
+from prefix_cache.cache.sequence import Sequence
+from prefix_cache.cache.tree_nodes import Node
 
 
 def snapshot(cache: PrefixCache) -> tuple:

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from test_cache_helpers import chain_keys, run_prompt, snapshot
 
-import prefix_cache.sequence as sequence_module
-from prefix_cache.cache import ConcurrentUseError, InvariantError, PrefixCache
-from prefix_cache.events import AllBlocksCleared, BlockRemoved, BlockStored
-from prefix_cache.hashing import default_hash_fn, namespace_seed
-from prefix_cache.page_pool import PagePool
+import prefix_cache.cache.sequence as sequence_module
+from prefix_cache.cache.events import AllBlocksCleared, BlockRemoved, BlockStored
+from prefix_cache.cache.hashing import default_hash_fn, namespace_seed
+from prefix_cache.cache.page_pool import PagePool
+from prefix_cache.cache.prefix_cache import ConcurrentUseError, InvariantError, PrefixCache
 
 
 def test_a_sequence_cannot_be_copied() -> None:
@@ -114,7 +114,7 @@ def test_a_hash_fn_with_the_wrong_signature_is_refused_at_construction(hash_fn) 
 
 
 class FailingNumpy(types.SimpleNamespace):
-    """``numpy`` for ``prefix_cache.sequence`` whose ``empty`` raises MemoryError."""
+    """``numpy`` for ``prefix_cache.cache.sequence`` whose ``empty`` raises MemoryError."""
 
     def __getattr__(self, name: str) -> object:
         return getattr(np, name)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from test_cache_helpers import chain_keys, held_nodes, run_prompt
 
-from prefix_cache.cache import PrefixCache
-from prefix_cache.events import BlockRemoved, BlockStored
+from prefix_cache.cache.events import BlockRemoved, BlockStored
+from prefix_cache.cache.prefix_cache import PrefixCache
 
 
 def runs(cache: PrefixCache) -> list[list[int]]:

@@ -30,10 +30,10 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from test_cache_helpers import snapshot
 from xxhash import xxh3_64_intdigest
 
-from prefix_cache.cache import OutOfPages, PrefixCache, PrefixCacheError
-from prefix_cache.events import AllBlocksCleared, BlockRemoved, BlockStored
-from prefix_cache.hashing import namespace_seed
-from prefix_cache.sequence import Sequence
+from prefix_cache.cache.events import AllBlocksCleared, BlockRemoved, BlockStored
+from prefix_cache.cache.hashing import namespace_seed
+from prefix_cache.cache.prefix_cache import OutOfPages, PrefixCache, PrefixCacheError
+from prefix_cache.cache.sequence import Sequence
 
 NAMESPACES = (None, "tenant", 3)
 VOCAB = 3  # few distinct tokens, so prompts share prefixes by chance too

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from test_cache_helpers import run_prompt, snapshot
 
-from prefix_cache.cache import OutOfPages, PrefixCache
+from prefix_cache.cache.prefix_cache import OutOfPages, PrefixCache
 
 
 def test_admit_opens_and_allocates_the_uncached_prompt() -> None:

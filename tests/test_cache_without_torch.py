@@ -16,7 +16,7 @@ def test_bookkeeping_runs_without_torch_and_triton() -> None:
         import numpy as np
         import prefix_cache
         from prefix_cache import CascadePlanner, PrefixCache
-        from prefix_cache.events import BlockStored
+        from prefix_cache.cache.events import BlockStored
 
         cache = PrefixCache(num_pages=64, page_size=4)
         seqs = [cache.admit(np.arange(20, dtype=np.int32), extra_tokens=1) for _ in range(3)]

@@ -1,7 +1,7 @@
 """The packaged cost model is what ``benchmarks/calibrate_planner.py`` fits from the committed
 calibration run: its coefficients regenerate from the data, and its tile rule is the Triton
 backend's current one (a change to the backend's rule without a recalibration fails here). The
-schedule the model replays (launches, merge, work items, KV steps; ``prefix_cache.kv_split``) is the
+schedule the model replays (launches, merge, work items, KV steps; ``prefix_cache.planner.kv_split``) is the
 backend's, on random batches."""
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from prefix_cache.kernels import work
 
 from prefix_cache import kv_split
 from prefix_cache.attention.triton_backend import TritonBackend, checked_levels
-from prefix_cache.cascade_planner import CascadePlanner
-from prefix_cache.cost_model import COEFFICIENTS, TILE_RULE, CostModel
+from prefix_cache.planner.cost_model import COEFFICIENTS, TILE_RULE, CostModel
+from prefix_cache.planner.planner import CascadePlanner
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGED = ROOT / "prefix_cache" / "data" / "cost_model_h200.json"

@@ -8,10 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefix_cache import cascade_planner
-from prefix_cache.cascade import CascadePlan
-from prefix_cache.cascade_planner import CascadePlanner, _sort_and_lcp
-from prefix_cache.cost_model import CostModel
-from prefix_cache.plan_inputs import check_plan_inputs
+from prefix_cache.planner.cost_model import CostModel
+from prefix_cache.planner.inputs import check_plan_inputs
+from prefix_cache.planner.plan import CascadePlan
+from prefix_cache.planner.planner import CascadePlanner, _sort_and_lcp
 
 # Cost models that share anything (to exercise deep plans on small batches) and the default one.
 EAGER = [CascadePlanner(min_shared_tokens=1, min_saved_tokens=0, max_levels=m) for m in (1, 2, 3, 5)]

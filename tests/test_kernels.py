@@ -19,8 +19,8 @@ from prefix_cache.kernels.work import tile_config
 
 from prefix_cache.attention.kv_layout import split_kv_cache
 from prefix_cache.attention.triton_backend import GraphCapacity, TritonBackend
-from prefix_cache.cascade import CascadeLevel, CascadePlan
-from prefix_cache.cascade_planner import CascadePlanner
+from prefix_cache.planner.plan import CascadeLevel, CascadePlan
+from prefix_cache.planner.planner import CascadePlanner
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"

@@ -21,9 +21,9 @@ from test_kv_events_helpers import (
     vllm_view,
 )
 
-from prefix_cache.events import AllBlocksCleared, BlockRemoved, BlockStored
-from prefix_cache.kv_publisher import KVEventPublisher
-from prefix_cache.kv_wire import END_SEQ, BatchDecoder
+from prefix_cache.cache.events import AllBlocksCleared, BlockRemoved, BlockStored
+from prefix_cache.events.publisher import KVEventPublisher
+from prefix_cache.events.wire import END_SEQ, BatchDecoder
 
 # ---------------------------------------------------------------------- the wire format
 

@@ -12,9 +12,9 @@ from typing import Any
 import msgspec
 import zmq
 
-from prefix_cache.cache import OutOfPages, PrefixCache
-from prefix_cache.events import AllBlocksCleared, BlockRemoved, BlockStored
-from prefix_cache.kv_wire import END_SEQ
+from prefix_cache.cache.events import AllBlocksCleared, BlockRemoved, BlockStored
+from prefix_cache.cache.prefix_cache import OutOfPages, PrefixCache
+from prefix_cache.events.wire import END_SEQ
 
 LOOPBACK = "tcp://127.0.0.1:0"
 

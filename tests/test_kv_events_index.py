@@ -18,12 +18,12 @@ from test_kv_events_helpers import (
 )
 from xxhash import xxh3_64_intdigest
 
-from prefix_cache.block_index import BlockIndex, block_hashes
-from prefix_cache.cache import PrefixCache
-from prefix_cache.events import AllBlocksCleared, BlockRemoved, BlockStored
-from prefix_cache.kv_publisher import KVEventPublisher
-from prefix_cache.kv_subscriber import KVEventSubscriber
-from prefix_cache.kv_wire import BatchDecoder
+from prefix_cache.cache.events import AllBlocksCleared, BlockRemoved, BlockStored
+from prefix_cache.cache.prefix_cache import PrefixCache
+from prefix_cache.events.index import BlockIndex, block_hashes
+from prefix_cache.events.publisher import KVEventPublisher
+from prefix_cache.events.subscriber import KVEventSubscriber
+from prefix_cache.events.wire import BatchDecoder
 
 # ---------------------------------------------------------------------- the hash and the index
 

@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefix_cache.attention.torch_backend import TorchBackend
-from prefix_cache.cascade import CascadeLevel, CascadePlan, one_level_decode
-from prefix_cache.cascade_planner import CascadePlanner
+from prefix_cache.planner.plan import CascadeLevel, CascadePlan, one_level_decode
+from prefix_cache.planner.planner import CascadePlanner
 
 DEEP = [CascadePlanner(min_shared_tokens=1, min_saved_tokens=0, max_levels=m) for m in (2, 3, 5)]
 

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 
 from prefix_cache.__main__ import main
-from prefix_cache.cache import OutOfPages, PrefixCache
+from prefix_cache.cache.prefix_cache import OutOfPages, PrefixCache
+from prefix_cache.cache.sequence import Sequence
 from prefix_cache.replay.conversation import Conversation, Turn, cap_conversation, cap_reply
 from prefix_cache.replay.oracle import ROOT, UnlimitedPrefixIndex
 from prefix_cache.replay.sharegpt import iter_records, message_pairs
 from prefix_cache.replay.simulator import Replay, SchedulerConfig, replay
 from prefix_cache.replay.synthetic import SyntheticConfig, synthetic_conversations
-from prefix_cache.sequence import Sequence
 
 SMALL = SyntheticConfig(
     conversations=40,

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from prefix_cache.__main__ import main
-from prefix_cache.block_index import BlockIndex, block_hashes
-from prefix_cache.events import BlockStored
+from prefix_cache.cache.events import BlockStored
+from prefix_cache.events.index import BlockIndex, block_hashes
 from prefix_cache.replay.cluster import _Cluster, replay_cluster
 from prefix_cache.replay.routing import (
     ROUTERS,

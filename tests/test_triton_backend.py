@@ -11,9 +11,9 @@ from attention_reference import reference_attention
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from prefix_cache.cascade import CascadeLevel, CascadePlan
-from prefix_cache.cascade_planner import CascadePlanner
-from prefix_cache.cost_model import CostModel
+from prefix_cache.planner.cost_model import CostModel
+from prefix_cache.planner.plan import CascadeLevel, CascadePlan
+from prefix_cache.planner.planner import CascadePlanner
 
 pytest.importorskip("triton")
 from prefix_cache.kernels import work

@@ -24,7 +24,7 @@ from prefix_cache.kernels.work import (
     tile_config,
 )
 
-from prefix_cache.kv_split import MIN_SPLIT_TOKENS, UNSPLIT
+from prefix_cache.planner.kv_split import MIN_SPLIT_TOKENS, UNSPLIT
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -42,8 +42,8 @@ from prefix_cache.attention.base import AttentionBackend, check_pool, in_engine_
 from prefix_cache.attention.flashinfer_levels import LevelRule, SharedLevelsOnFlashInfer
 from prefix_cache.attention.kv_layout import flashinfer_paged
 from prefix_cache.attention.triton_backend import GraphCapacity, TritonBackend, checked_levels
-from prefix_cache.cascade import CascadePlan, one_level_decode
-from prefix_cache.kv_split import DECODE_TILE_ROWS, MIN_SPLIT_TOKENS, min_split_tokens
+from prefix_cache.planner.kv_split import DECODE_TILE_ROWS, MIN_SPLIT_TOKENS, min_split_tokens
+from prefix_cache.planner.plan import CascadePlan, one_level_decode
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from prefix_cache.attention.kv_layout import KVCache, split_kv_cache
-from prefix_cache.cascade import CascadePlan
+from prefix_cache.planner.plan import CascadePlan
 
 #: Query/KV dtypes the interface accepts (a backend may accept fewer and says so when run).
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

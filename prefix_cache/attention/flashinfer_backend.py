@@ -26,7 +26,7 @@ import torch
 from prefix_cache.attention.base import AttentionBackend, check_pool, in_engine_order, to_planned_order
 from prefix_cache.attention.kv_layout import flashinfer_paged
 from prefix_cache.attention.triton_backend import checked_levels
-from prefix_cache.cascade import CascadeLevel, CascadePlan
+from prefix_cache.planner.plan import CascadeLevel, CascadePlan
 
 _FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
 

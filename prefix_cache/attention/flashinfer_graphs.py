@@ -19,9 +19,9 @@ import torch
 
 from prefix_cache.attention.kv_layout import flashinfer_page_ids
 from prefix_cache.attention.triton_backend import GraphCapacity
-from prefix_cache.cascade import CascadeLevel
 from prefix_cache.kernels._common import num_sms
 from prefix_cache.kernels.work import check_level
+from prefix_cache.planner.plan import CascadeLevel
 
 
 class OneLevelGraphs:

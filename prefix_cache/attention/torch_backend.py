@@ -7,7 +7,7 @@ import torch
 
 from prefix_cache.attention.base import AttentionBackend, to_planned_order
 from prefix_cache.attention.merge import merge_states
-from prefix_cache.cascade import CascadeLevel, CascadePlan
+from prefix_cache.planner.plan import CascadeLevel, CascadePlan
 
 
 class TorchBackend(AttentionBackend):

@@ -43,7 +43,6 @@ from prefix_cache.attention.base import AttentionBackend, check_pool, reused_buf
 from prefix_cache.attention.kv_layout import flashinfer_paged
 from prefix_cache.attention.plan_image import Sections, Upload, fill_image, output_states
 from prefix_cache.attention.triton_schedule import schedule
-from prefix_cache.cascade import CascadePlan
 from prefix_cache.kernels._common import LOG2E, dependent_launches, interpreting, num_sms
 from prefix_cache.kernels.attention import AttentionLaunch
 from prefix_cache.kernels.merge_state import MergeLaunch
@@ -55,7 +54,8 @@ from prefix_cache.kernels.work import (
     check_levels,
     fixed_tile_configs,
 )
-from prefix_cache.kv_split import DECODE_TILE_ROWS
+from prefix_cache.planner.kv_split import DECODE_TILE_ROWS
+from prefix_cache.planner.plan import CascadePlan
 
 
 def persistent_waves(tile: TileConfig) -> int:

@@ -20,7 +20,7 @@ from prefix_cache.kernels.work import (
     longest_first,
     tile_configs,
 )
-from prefix_cache.kv_split import min_split_tokens
+from prefix_cache.planner.kv_split import min_split_tokens
 
 # A shared (non-causal) level joins the decode tokens' launch on the narrow tile when it has at most
 # SHARED_ON_NARROW_ROWS rows per group, its narrow M tiles read at most SHARED_ON_NARROW_READS KV

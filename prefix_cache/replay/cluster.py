@@ -25,10 +25,10 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from prefix_cache.block_index import BlockIndex
-from prefix_cache.cache import PrefixCache
-from prefix_cache.kv_publisher import KVEventPublisher
-from prefix_cache.kv_subscriber import KVEventSubscriber
+from prefix_cache.cache.prefix_cache import PrefixCache
+from prefix_cache.events.index import BlockIndex
+from prefix_cache.events.publisher import KVEventPublisher
+from prefix_cache.events.subscriber import KVEventSubscriber
 from prefix_cache.replay.conversation import Conversation, Workload
 from prefix_cache.replay.oracle import UnlimitedPrefixIndex
 from prefix_cache.replay.routing import MAX_REPLICAS, make_router

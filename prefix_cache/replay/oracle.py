@@ -3,7 +3,7 @@
 Replaying the same sequence of opens and commits through :class:`UnlimitedPrefixIndex` gives the
 hit count of a cache with unlimited pages, exactly: pages are keyed by (parent page, page bytes), so
 equal keys mean equal token prefixes, with no hash collisions to reason about. It is independent of
-:mod:`prefix_cache.cache` on purpose, so that it can check it.
+:mod:`prefix_cache.cache.prefix_cache` on purpose, so that it can check it.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from typing import Protocol
 import numpy as np
 from xxhash import xxh3_64_intdigest
 
-from prefix_cache.block_index import BlockIndex
+from prefix_cache.events.index import BlockIndex
 
 ROUTERS = ("round-robin", "least-loaded", "session", "prefix")
 #: The replay runs every replica in one process, in lockstep: a cap keeps a run bounded.

@@ -32,10 +32,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from prefix_cache.cache import OutOfPages, PrefixCache
+from prefix_cache.cache.prefix_cache import OutOfPages, PrefixCache
+from prefix_cache.cache.stats import CacheStats
 from prefix_cache.replay.conversation import Conversation
 from prefix_cache.replay.oracle import ROOT, UnlimitedPrefixIndex
-from prefix_cache.stats import CacheStats
 
 
 @dataclass(frozen=True)

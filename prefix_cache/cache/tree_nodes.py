@@ -1,4 +1,4 @@
-"""The nodes of the block tree (``prefix_cache.block_tree``, whose docstring explains the design):
+"""The nodes of the block tree (``prefix_cache.cache.block_tree``, whose docstring explains the design):
 a node holds a run of cached pages as plain data, a root stands for a namespace, and a walk says
 where a prompt's cached prefix ends."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from array import array
 
-from prefix_cache.hashing import Namespace, namespace_seed
+from prefix_cache.cache.hashing import Namespace, namespace_seed
 
 
 class Node:

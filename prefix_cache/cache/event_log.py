@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from prefix_cache.block_tree import BlockTree
-from prefix_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
-from prefix_cache.hashing import Namespace
-from prefix_cache.tree_nodes import Node
+from prefix_cache.cache.block_tree import BlockTree
+from prefix_cache.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from prefix_cache.cache.hashing import Namespace
+from prefix_cache.cache.tree_nodes import Node
 
 #: ``BlockStored`` and ``BlockRemoved`` events as recorded on the hot path, plain tuples since
 #: building the frozen dataclasses costs several times more (once per cached or evicted page in

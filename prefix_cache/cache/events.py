@@ -2,14 +2,14 @@
 
 The shapes follow the KV events a vLLM engine publishes (``BlockStored``, ``BlockRemoved``,
 ``AllBlocksCleared``), so a router that already consumes those needs only a thin adapter. Block
-hashes are the 64-bit chained keys of ``prefix_cache.hashing``.
+hashes are the 64-bit chained keys of ``prefix_cache.cache.hashing``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prefix_cache.hashing import Namespace
+from prefix_cache.cache.hashing import Namespace
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,7 +23,7 @@ class BlockStored:
     block_size: tokens per page.
     namespace: the namespace the pages are cached under.
     extra_keys: per page, the extra identity bytes that follow its tokens in its hash (see
-        ``prefix_cache.hashing``), None for a page without; None when no page has any.
+        ``prefix_cache.cache.hashing``), None for a page without; None when no page has any.
     """
 
     block_hashes: list[int]

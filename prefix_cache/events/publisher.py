@@ -1,7 +1,7 @@
 """``KVEventPublisher``: a cache's events over ZMQ in vLLM's format, with vLLM's replay service.
 
 The engine hands over each step's events between steps (``publish(cache.drain_events())``); a
-background thread encodes them (:mod:`prefix_cache.kv_wire`), sends them on a PUB socket and keeps
+background thread encodes them (:mod:`prefix_cache.events.wire`), sends them on a PUB socket and keeps
 the last ``buffer_batches`` payloads for replay. A second thread serves a ROUTER socket that answers
 replay requests the way vLLM's does: a request ``(identity, b"", start_seq)`` (8-byte big-endian) gets
 ``(identity, b"", seq, payload)`` for every buffered batch with ``seq >= start_seq``, then
@@ -24,8 +24,8 @@ from collections import deque
 import msgspec
 import zmq
 
-from prefix_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
-from prefix_cache.kv_wire import END_SEQ, Layout, to_wire
+from prefix_cache.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from prefix_cache.events.wire import END_SEQ, Layout, to_wire
 
 _EVENT_TYPES = (BlockStored, BlockRemoved, AllBlocksCleared)
 
@@ -44,7 +44,7 @@ class KVEventPublisher:
         hwm: the PUB socket's send high-water mark, in messages per subscriber.
         layout: ``"array"`` (batch and events as msgpack arrays, the format vLLM's routers and
             llm-d's indexer decode) or ``"map"`` (batch and events as maps, vLLM's current
-            ``kv_events.py``); see :mod:`prefix_cache.kv_wire`.
+            ``kv_events.py``); see :mod:`prefix_cache.events.wire`.
 
     Counters (read any time): ``published`` batches sent, ``bytes_sent`` bytes sent (all three frames),
     ``dropped`` batches dropped because the queue was full, ``replays`` requests answered.

@@ -7,11 +7,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from prefix_cache.hashing import Namespace
-from prefix_cache.tree_nodes import Node, Root
+from prefix_cache.cache.hashing import Namespace
+from prefix_cache.cache.tree_nodes import Node, Root
 
 if TYPE_CHECKING:
-    from prefix_cache.cache import PrefixCache
+    from prefix_cache.cache.prefix_cache import PrefixCache
 
 
 class Sequence:

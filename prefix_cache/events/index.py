@@ -3,7 +3,7 @@
 Fed with each replica's ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` events, it answers
 "for these prompt tokens, in this namespace, how many leading tokens does each replica hold" by
 computing the prompt's chained block hashes exactly as ``PrefixCache`` does (through
-:mod:`prefix_cache.hashing`) and looking each one up. A cache evicts a page only after the pages that
+:mod:`prefix_cache.cache.hashing`) and looking each one up. A cache evicts a page only after the pages that
 follow it, so a replica holding a block also holds the blocks before it; the count is the run of
 leading blocks the replica holds. Hashes are not confirmed against tokens here: a collision can
 overstate a replica's prefix, which costs a routing choice, never correctness (the replica's own
@@ -16,9 +16,9 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from prefix_cache import events as cache_events
-from prefix_cache.hashing import ExtraKey, Namespace, default_hash_fn, namespace_seed, page_extras
-from prefix_cache.tokens import as_token_array
+from prefix_cache.cache import events as cache_events
+from prefix_cache.cache.hashing import ExtraKey, Namespace, default_hash_fn, namespace_seed, page_extras
+from prefix_cache.cache.tokens import as_token_array
 
 _LE_INT32 = np.dtype("<i4")
 

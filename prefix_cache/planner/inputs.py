@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from prefix_cache.cascade import CascadeLevel
+from prefix_cache.planner.plan import CascadeLevel
 
 _I32 = np.int32
 

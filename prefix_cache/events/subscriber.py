@@ -1,6 +1,6 @@
 """``KVEventSubscriber``: feeds a :class:`BlockIndex` from the ZMQ event streams of several replicas.
 
-One SUB socket per replica reads ``(topic, seq, payload)`` messages (:mod:`prefix_cache.kv_wire`).
+One SUB socket per replica reads ``(topic, seq, payload)`` messages (:mod:`prefix_cache.events.wire`).
 Sequence numbers must follow each other; on a gap the subscriber asks the replica's replay service
 (vLLM's protocol: a DEALER sends ``(b"", start_seq)`` and reads ``(b"", seq, payload)`` frames up
 to the ``END_SEQ`` marker) for the batches it missed. When they cannot be had (no replay service,
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
-from prefix_cache.block_index import BlockIndex
-from prefix_cache.kv_wire import END_SEQ, BatchDecoder
+from prefix_cache.events.index import BlockIndex
+from prefix_cache.events.wire import END_SEQ, BatchDecoder
 
 
 @dataclass

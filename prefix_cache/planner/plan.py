@@ -6,7 +6,7 @@ level is a list of groups; group g owns query tokens ``qo_indptr[g]:qo_indptr[g+
 and KV pages ``kv_indices[kv_indptr[g]:kv_indptr[g+1]]``, whose last page holds
 ``kv_last_page_len[g]`` tokens (0 when the group has no KV at this level).
 
-``prefix_cache.cascade_planner.CascadePlanner`` makes these plans from a batch's page tables.
+``prefix_cache.planner.planner.CascadePlanner`` makes these plans from a batch's page tables.
 """
 
 from __future__ import annotations

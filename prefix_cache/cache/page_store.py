@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from array import array
 
-from prefix_cache.block_tree import BlockTree, check_key
-from prefix_cache.errors import OutOfPages
-from prefix_cache.event_log import EventLog
-from prefix_cache.page_pool import PagePool
-from prefix_cache.sequence import Sequence
-from prefix_cache.tree_nodes import NO_WALK, Root
+from prefix_cache.cache.block_tree import BlockTree, check_key
+from prefix_cache.cache.errors import OutOfPages
+from prefix_cache.cache.event_log import EventLog
+from prefix_cache.cache.page_pool import PagePool
+from prefix_cache.cache.sequence import Sequence
+from prefix_cache.cache.tree_nodes import NO_WALK, Root
 
 
 class PageStore:

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from prefix_cache.errors import InvariantError
-from prefix_cache.hashing import namespace_seed
-from prefix_cache.tree_nodes import Node, Root
+from prefix_cache.cache.errors import InvariantError
+from prefix_cache.cache.hashing import namespace_seed
+from prefix_cache.cache.tree_nodes import Node, Root
 
 if TYPE_CHECKING:
-    from prefix_cache.cache import PrefixCache
+    from prefix_cache.cache.prefix_cache import PrefixCache
 
 
 class InvariantChecker:

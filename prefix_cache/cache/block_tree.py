@@ -21,7 +21,7 @@ and stamping a path cost per node. A sequence remembers only the deepest node it
 is the parent chain above it. A sequence that fills a page at the end of a leaf only it holds
 (``ref == 1``, the decode loop) appends the page to that run in place instead of making a node.
 
-Every page also has a key, the chained block hash of ``prefix_cache.hashing``: the identity that
+Every page also has a key, the chained block hash of ``prefix_cache.cache.hashing``: the identity that
 events publish. Each root's ``index`` is the set of its namespace's keys, so keys stay unique
 within a namespace; a block whose key is taken there (a hash collision) is simply not cached. The
 index is per namespace because namespace seeds are public: a tenant who crafts colliding blocks
@@ -52,8 +52,8 @@ from collections import OrderedDict
 
 import numpy as np
 
-from prefix_cache.hashing import HashFn, Namespace, default_hash_fn
-from prefix_cache.tree_nodes import Node, Root, Walk, add_child, remove_child
+from prefix_cache.cache.hashing import HashFn, Namespace, default_hash_fn
+from prefix_cache.cache.tree_nodes import Node, Root, Walk, add_child, remove_child
 
 _KEY_LIMIT = 2**64
 # Pages per chunk that ``page_keys`` splits a long chain into.

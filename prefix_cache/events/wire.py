@@ -20,7 +20,7 @@ One ZMQ multipart message per batch of events: ``(topic, sequence number, payloa
     prompt's first page), ``token_ids`` (``len(block_hashes) * block_size`` ints), ``block_size``,
     ``lora_id`` (nil), ``medium`` (``"GPU"``), ``lora_name`` (nil); in the map layout also
     ``extra_keys`` when a page has extra keys (per block, nil or a 1-tuple of the page's extra
-    identity bytes, see :mod:`prefix_cache.hashing`). vLLM's other optional fields
+    identity bytes, see :mod:`prefix_cache.cache.hashing`). vLLM's other optional fields
     (``group_idx``, ``kv_cache_spec_kind``, ...) are left out.
   - ``BlockRemoved``: ``block_hashes``, ``medium``.
   - ``AllBlocksCleared``: no fields.
@@ -35,7 +35,7 @@ from typing import Literal
 
 import msgspec
 
-from prefix_cache import events as cache_events
+from prefix_cache.cache import events as cache_events
 
 MEDIUM_GPU = "GPU"
 #: The sequence number of the replay service's end marker: -1 as 8 signed big-endian bytes.

@@ -22,9 +22,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from prefix_cache.cascade import CascadeLevel, CascadePlan
-from prefix_cache.cost_model import CostModel, LevelShape, PlanFeatures, default_cost_model
-from prefix_cache.plan_inputs import Pages, check_plan_inputs, check_read_page_ids
+from prefix_cache.planner.cost_model import CostModel, LevelShape, PlanFeatures, default_cost_model
+from prefix_cache.planner.inputs import Pages, check_plan_inputs, check_read_page_ids
+from prefix_cache.planner.plan import CascadeLevel, CascadePlan
 
 _I32 = np.int32
 # Candidate thresholds when none are given (see CascadePlanner).

@@ -24,14 +24,14 @@ narrowest and the widest of its levels' tiles, each level on the narrower that h
 shared level joins the narrow launch when it has at most ``join_rows`` rows, its narrow tiles read
 at most ``join_tile_tokens`` KV tokens (each of a group's tiles reads the group's KV), and the
 launch's tiles still fit one wave (``sms_per_kv_head`` x programs resident per SM: 1 at 128 rows, 2
-at 64, 4 below). Splits (``prefix_cache.kv_split``, the backend's ``auto_chunk``): a level whose M
+at 64, 4 below). Splits (``prefix_cache.planner.kv_split``, the backend's ``auto_chunk``): a level whose M
 tiles leave resident slots idle cuts its groups' KV into chunks of whole KV steps
 (``kv_tile_tokens`` per step, by tile). A lone level of decodes that the backend moves to its own
 tile of shorter steps (``lone_decode_tile``: the same work items) is counted on the decode tile,
 the steps the model was calibrated on. Tests hold the counts to the backend's.
 
 The numbers are fitted to times measured by ``benchmarks/calibrate_planner.py`` (one model shape:
-Llama-3-8B heads, 32 query / 8 KV heads of 128) and kept as data in ``prefix_cache/data/``; rerun it
+Llama-3-8B heads, 32 query / 8 KV heads of 128) and kept as data in ``prefix_cache/planner/data/``; rerun it
 to calibrate another GPU or shape.
 """
 
@@ -47,8 +47,8 @@ from pathlib import Path
 
 import numpy as np
 
-from prefix_cache.cascade import CascadePlan
-from prefix_cache.kv_split import MAX_SPLITS, UNSPLIT, best_chunk, min_split_tokens
+from prefix_cache.planner.kv_split import MAX_SPLITS, UNSPLIT, best_chunk, min_split_tokens
+from prefix_cache.planner.plan import CascadePlan
 
 _DATA = Path(__file__).resolve().parent / "data"
 DEFAULT_PATH = _DATA / "cost_model_h200.json"

@@ -2,7 +2,7 @@
 
 Split-KV: when a level's programs (M tiles x KV heads) leave SMs idle, each group's KV is cut into
 equal chunks, one program per chunk, and the merge combines the partial states. The choice lives
-here, apart from the kernels, because the planner's cost model (``prefix_cache.cost_model``, which
+here, apart from the kernels, because the planner's cost model (``prefix_cache.planner.cost_model``, which
 must import without torch) replays it to count a plan's programs and KV steps.
 """
 

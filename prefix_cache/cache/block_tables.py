@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from prefix_cache.sequence import Sequence
+from prefix_cache.cache.sequence import Sequence
 
 
 class BlockTableWriter:

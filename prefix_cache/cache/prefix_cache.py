@@ -1,10 +1,10 @@
 """``PrefixCache``: the engine-facing bookkeeping of KV pages shared by common prompt prefixes.
 
-This module is the public API: argument checks (:mod:`prefix_cache.arguments`), the lock, and the
+This module is the public API: argument checks (:mod:`prefix_cache.cache.arguments`), the lock, and the
 sequences' lifecycle. Pages move between the pool, sequences and the block tree in
-:mod:`prefix_cache.page_store`; events wait in :mod:`prefix_cache.event_log`; block tables are
-written into callers' buffers by :mod:`prefix_cache.block_tables`. The errors it raises live in
-:mod:`prefix_cache.errors` and its consistency check in :mod:`prefix_cache.invariants`; both are
+:mod:`prefix_cache.cache.page_store`; events wait in :mod:`prefix_cache.cache.event_log`; block tables are
+written into callers' buffers by :mod:`prefix_cache.cache.block_tables`. The errors it raises live in
+:mod:`prefix_cache.cache.errors` and its consistency check in :mod:`prefix_cache.cache.invariants`; both are
 re-exported here.
 """
 
@@ -14,20 +14,27 @@ import threading
 
 import numpy as np
 
-from prefix_cache.arguments import check_batch, check_hash_fn, check_int, reject
-from prefix_cache.block_tables import BlockTableWriter
-from prefix_cache.block_tree import BlockTree
-from prefix_cache.errors import ConcurrentUseError, InvariantError, OutOfPages, PrefixCacheError
-from prefix_cache.event_log import EventLog
-from prefix_cache.events import KVCacheEvent
-from prefix_cache.hashing import ExtraKey, HashFn, Namespace, check_namespace, default_hash_fn, page_extras
-from prefix_cache.invariants import InvariantChecker
-from prefix_cache.page_pool import PagePool
-from prefix_cache.page_store import PageStore
-from prefix_cache.sequence import Sequence
-from prefix_cache.stats import CacheStats
-from prefix_cache.tokens import MAX_TOKEN_ID, as_token_array
-from prefix_cache.tree_nodes import NO_WALK, Root, Walk
+from prefix_cache.cache.arguments import check_batch, check_hash_fn, check_int, reject
+from prefix_cache.cache.block_tables import BlockTableWriter
+from prefix_cache.cache.block_tree import BlockTree
+from prefix_cache.cache.errors import ConcurrentUseError, InvariantError, OutOfPages, PrefixCacheError
+from prefix_cache.cache.event_log import EventLog
+from prefix_cache.cache.events import KVCacheEvent
+from prefix_cache.cache.hashing import (
+    ExtraKey,
+    HashFn,
+    Namespace,
+    check_namespace,
+    default_hash_fn,
+    page_extras,
+)
+from prefix_cache.cache.invariants import InvariantChecker
+from prefix_cache.cache.page_pool import PagePool
+from prefix_cache.cache.page_store import PageStore
+from prefix_cache.cache.sequence import Sequence
+from prefix_cache.cache.stats import CacheStats
+from prefix_cache.cache.tokens import MAX_TOKEN_ID, as_token_array
+from prefix_cache.cache.tree_nodes import NO_WALK, Root, Walk
 
 MAX_PAGE_SIZE = 1024
 # Page ids are int32 in block tables.
@@ -46,7 +53,7 @@ class PrefixCache:
     """Pages of a paged KV pool, shared between requests whose prompts start with the same tokens.
 
     A page holds ``page_size`` tokens. Full pages that a sequence commits become cached under the
-    chained hash of their tokens (see ``prefix_cache.hashing``); a later prompt that starts with
+    chained hash of their tokens (see ``prefix_cache.cache.hashing``); a later prompt that starts with
     the same whole pages, in the same namespace, reuses them. Each page is at all times exactly one
     of: free, held by live sequences, or cached and evictable (held by none; evicted least recently
     used first, deepest pages first).
@@ -192,7 +199,7 @@ class PrefixCache:
         extra_keys: ``(start, end, key)`` entries: ``key`` (bytes, str or an int in
             ``[0, 2**64)``, an image's content hash, say) is part of the identity of every page
             holding a token of ``start <= t < end``, so prompts with equal tokens but different
-            keys share no page from the first page a key covers on (see ``prefix_cache.hashing``).
+            keys share no page from the first page a key covers on (see ``prefix_cache.cache.hashing``).
         """
         arr = as_token_array(tokens)
         check_namespace(namespace)

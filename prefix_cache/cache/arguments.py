@@ -1,7 +1,7 @@
 """Checks of ``PrefixCache`` arguments: each raises an exception naming the argument and the problem.
 
 Tokens, namespaces and extra keys are checked where they are interpreted
-(``prefix_cache.tokens``, ``prefix_cache.hashing``).
+(``prefix_cache.cache.tokens``, ``prefix_cache.cache.hashing``).
 """
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ from __future__ import annotations
 import operator
 from typing import TYPE_CHECKING
 
-from prefix_cache.block_tree import check_key
-from prefix_cache.hashing import namespace_seed
-from prefix_cache.sequence import Sequence
+from prefix_cache.cache.block_tree import check_key
+from prefix_cache.cache.hashing import namespace_seed
+from prefix_cache.cache.sequence import Sequence
 
 if TYPE_CHECKING:
-    from prefix_cache.cache import PrefixCache
+    from prefix_cache.cache.prefix_cache import PrefixCache
 
 
 def check_int(name: str, value: object, low: int, high: int | None = None) -> int:
