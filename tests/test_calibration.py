@@ -21,8 +21,8 @@ pytest.importorskip("triton")
 import torch
 from prefix_cache.kernels import work
 
-from prefix_cache import kv_split
 from prefix_cache.attention.triton_backend import TritonBackend, checked_levels
+from prefix_cache.planner import kv_split
 from prefix_cache.planner.cost_model import COEFFICIENTS, TILE_RULE, CostModel
 from prefix_cache.planner.planner import CascadePlanner
 

@@ -7,7 +7,7 @@ from cascade_batches import Batch, batches
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefix_cache import cascade_planner
+from prefix_cache.planner import planner as cascade_planner
 from prefix_cache.planner.cost_model import CostModel
 from prefix_cache.planner.inputs import check_plan_inputs
 from prefix_cache.planner.plan import CascadePlan

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
-from engine_helpers import assert_matches_hf, hf_reference, one_torch_thread, smollm2, truncated
+from engine_helpers import ROOT, assert_matches_hf, hf_reference, one_torch_thread, smollm2, truncated
 
 from examples.engine import LLAMA_1B, EngineConfig, LlamaModel, LLMEngine, SamplingParams, SchedulerConfig
 from prefix_cache import CascadePlanner
@@ -250,3 +252,18 @@ def test_command_line_answers_a_prompt(monkeypatch, capsys):
     assert cli.main(["What is the capital of France?", "--max-tokens", "12"]) == 0
     printed = capsys.readouterr().out
     assert "Paris" in printed and "prompt tokens" in printed
+
+
+def test_command_line_runs_without_triton_installed():
+    # The engine extra brings no triton: on a CPU install the engine with the torch backend must
+    # neither import triton nor our kernels. None in sys.modules makes "import triton" fail as if
+    # the package were missing.
+    smollm2()  # skips without the GGUF file
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "from examples.engine import __main__ as cli\n"
+        "assert cli.main(['Say hi.', '--max-tokens', '2', '--model', 'smollm2']) == 0\n"
+        "assert not [m for m in sys.modules if m.startswith('prefix_cache.kernels')]\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]

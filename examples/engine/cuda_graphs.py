@@ -28,11 +28,10 @@ import dataclasses
 
 import numpy as np
 import torch
-from prefix_cache.kernels.work import MAX_SPLITS
 
 from prefix_cache import CascadePlan
-from prefix_cache.attention import create_backend
-from prefix_cache.attention.triton_backend import GraphCapacity
+from prefix_cache.attention import GraphCapacity, create_backend
+from prefix_cache.planner.kv_split import MAX_SPLITS
 
 from .model import LlamaModel
 

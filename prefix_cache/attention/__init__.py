@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 
 from prefix_cache.attention.base import AttentionBackend
+from prefix_cache.attention.capacity import GraphCapacity
 
 # name -> (module, class, the optional package it needs or None, how to get that package)
 _BACKENDS: dict[str, tuple[str, str, str | None, str]] = {
@@ -57,4 +58,4 @@ def create_backend(name: str, **kwargs: object) -> AttentionBackend:
     return backend
 
 
-__all__ = ["BACKEND_NAMES", "AttentionBackend", "create_backend"]
+__all__ = ["BACKEND_NAMES", "AttentionBackend", "GraphCapacity", "create_backend"]
