@@ -20,23 +20,26 @@ from prefix_cache.replay.routing import MAX_REPLICAS, ROUTERS
 from prefix_cache.replay.simulator import SchedulerConfig, replay
 from prefix_cache.replay.synthetic import SyntheticConfig
 
-#: Tokens per page: the sizes the attention kernels are built and tested for (README, "Kernels").
+#: Tokens per page: the sizes the attention kernels are built and tested for (docs/attention.md).
 PAGE_SIZES = range(1, 129)
+#: Longest prompt or reply cap in tokens: past any model's context.
+MAX_TOKENS = 1 << 20
 
 
-def int_in(low: int, high: int | None = None) -> Callable[[str], int]:
-    """An argparse ``type=``: an integer in ``low..high`` (no upper bound when ``high`` is None).
+def int_in(low: int, high: int) -> Callable[[str], int]:
+    """An argparse ``type=``: an integer in ``low..high``. Every option has an upper bound: a size
+    past it only grows memory or time without telling anything new.
 
     Out of range, argparse prints one line naming the option and the range.
     """
-    allowed = f"at least {low}" if high is None else f"in {low}..{high}"
+    allowed = f"in {low}..{high}"
 
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"must be an integer {allowed}, got {text!r}") from None
-        if value < low or (high is not None and value > high):
+        if not low <= value <= high:
             raise argparse.ArgumentTypeError(f"must be {allowed}, got {value}")
         return value
 
@@ -72,21 +75,21 @@ def _add_workload_options(rep: argparse.ArgumentParser) -> None:
     )
     rep.add_argument(
         "--conversations",
-        type=int_in(1),
+        type=int_in(1, 100_000),
         metavar="N",
         default=1000,
         help="conversations to replay (default: %(default)s)",
     )
     rep.add_argument(
         "--max-prompt-tokens",
-        type=int_in(1),
+        type=int_in(1, MAX_TOKENS),
         metavar="N",
         default=None,
         help="end a conversation before a turn whose prompt is longer (default: no cap)",
     )
     rep.add_argument(
         "--max-reply-tokens",
-        type=int_in(1),
+        type=int_in(1, MAX_TOKENS),
         metavar="N",
         default=None,
         help="shorten longer replies to this many tokens (default: no cap)",
@@ -102,14 +105,14 @@ def _add_workload_options(rep: argparse.ArgumentParser) -> None:
 def _add_engine_options(rep: argparse.ArgumentParser) -> None:
     rep.add_argument(
         "--max-running",
-        type=int_in(1),
+        type=int_in(1, 4096),
         metavar="N",
         default=64,
         help="requests decoding at once (default: %(default)s)",
     )
     rep.add_argument(
         "--num-pages",
-        type=int_in(1),
+        type=int_in(1, 1 << 24),
         metavar="N",
         default=16384,
         help="KV pages in the pool; at least the pages of the workload's smallest request "
@@ -125,7 +128,7 @@ def _add_engine_options(rep: argparse.ArgumentParser) -> None:
     )
     rep.add_argument(
         "--clients",
-        type=int_in(1),
+        type=int_in(1, 100_000),
         metavar="N",
         default=128,
         help="users replaying conversations concurrently, each one turn at a time (default: %(default)s)",
@@ -151,25 +154,25 @@ def _add_routing_options(routing: argparse._ArgumentGroup) -> None:
 
 def _add_synthetic_options(syn: argparse._ArgumentGroup) -> None:
     syn.add_argument(
-        "--seed", type=int_in(0), metavar="N", default=0, help="random seed (default: %(default)s)"
+        "--seed", type=int_in(0, 2**32 - 1), metavar="N", default=0, help="random seed (default: %(default)s)"
     )
     syn.add_argument(
         "--system-prompt-tokens",
-        type=int_in(0),
+        type=int_in(0, 131_072),
         metavar="N",
         default=512,
         help="system prompt shared by all conversations (default: %(default)s)",
     )
     syn.add_argument(
         "--max-turns",
-        type=int_in(1),
+        type=int_in(1, 256),
         metavar="N",
         default=4,
         help="turns per conversation, drawn from 1..N (default: %(default)s)",
     )
     syn.add_argument(
         "--samples",
-        type=int_in(1),
+        type=int_in(1, 64),
         metavar="N",
         default=1,
         help="parallel samples per turn, same prompt (default: %(default)s)",

@@ -884,3 +884,20 @@ def test_flashinfer_decode_workspace_fits_the_capacity(
     graphs.plan("decode", plan.levels[0], 16, heads, torch.bfloat16)
     wrapper = graphs._wrappers["decode"]
     assert wrapper.need <= wrapper.workspace.numel() <= 2.5 * wrapper.need
+
+
+@pytest.mark.parametrize(
+    "page, message", [(5, "references page 5, the KV cache has 5 pages"), (-1, "page -1")]
+)
+def test_torch_backend_checks_the_pages_a_plan_reads(page, message) -> None:
+    # A page id outside the pool is a clear error naming it (not an IndexError from the gather), and
+    # a negative one is never read as a page from the pool's end.
+    from prefix_cache.planner.plan import CascadePlan
+
+    level = CascadeLevel(*(np.asarray(a, np.int32) for a in ([0, 1], [0, 2], [0, page], [4])), True)
+    plan = CascadePlan((level,), np.zeros(1, np.int32), np.zeros(1, np.int32), np.zeros(1, np.int64), 4)
+    backend = TorchBackend()
+    q, kv_cache = torch.randn(1, 2, 16), torch.randn(5, 2, 4, 1, 16)
+    with pytest.raises(ValueError, match=message):
+        backend.plan(plan, num_qo_heads=2, num_kv_heads=1, head_dim=16, q_dtype=torch.float32)
+        backend.run(q, kv_cache)

@@ -462,8 +462,22 @@ def test_integer_inputs_of_any_width_and_container_plan_alike() -> None:
 
 def test_invalid_cost_model() -> None:
     for bad in ({"min_shared_tokens": 0}, {"min_saved_tokens": -1}, {"max_levels": 0}):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match=next(iter(bad))):
             CascadePlanner(**bad)
+    # Not integers: a NaN threshold would turn sharing off in silence, a fraction or a bool is no count.
+    for bad in (
+        {"max_levels": 1.5},
+        {"max_levels": True},
+        {"min_shared_tokens": 2.5},
+        {"min_saved_tokens": float("nan")},
+        {"min_saved_tokens": "7"},
+    ):
+        with pytest.raises(TypeError, match=f"{next(iter(bad))} must be an int"):
+            CascadePlanner(**bad)
+    planner = CascadePlanner(
+        min_shared_tokens=np.int64(16), min_saved_tokens=np.int32(0), max_levels=np.int64(2)
+    )
+    assert (type(planner.min_shared_tokens), type(planner.max_levels)) == (int, int)
 
 
 def test_plans_a_large_batch_as_its_sharing_tree() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from prefix_cache.attention.base import AttentionBackend, to_planned_order
+from prefix_cache.attention.base import AttentionBackend, check_pool, to_planned_order
 from prefix_cache.attention.merge import merge_states
 from prefix_cache.planner.plan import CascadeLevel, CascadePlan
 
@@ -22,13 +22,22 @@ class TorchBackend(AttentionBackend):
         super().__init__()
         self._device = torch.device("cpu" if device is None else device)
         self._query_order = torch.zeros(0, dtype=torch.int64)
+        self._max_page = -1  # the largest page id the current plan reads
 
     def _prepare(self, plan: CascadePlan) -> None:
+        # The gather below would read a negative page id from the pool's end: refuse it here, and
+        # compare the largest id with the pool at ``run``, as the other backends do.
+        read = [level.kv_indices[: level.kv_indptr[-1]] for level in plan.levels if level.kv_indptr[-1]]
+        lowest = min((int(pages.min()) for pages in read), default=0)
+        if lowest < 0:
+            raise ValueError(f"the plan references page {lowest}: page ids are >= 0")
+        self._max_page = max((int(pages.max()) for pages in read), default=-1)
         self._query_order = torch.from_numpy(plan.query_order).to(self._device)
 
     def _run(
         self, plan: CascadePlan, q, kv_cache, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
     ) -> None:
+        check_pool(q.device, self._max_page, q, k)
         query_order = self._query_order.to(q.device)
         q_planned = to_planned_order(q, query_order).float()
         states = [self._attend_level(level, q_planned, k, v) for level in plan.levels]
