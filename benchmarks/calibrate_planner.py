@@ -18,7 +18,7 @@ Two steps, the first on a CUDA GPU:
 
 Usage: ``python benchmarks/calibrate_planner.py --measure OUT_JSON`` (CUDA), then
 ``python benchmarks/calibrate_planner.py [RESULTS_JSON ...] [--out MODEL_JSON]`` (defaults:
-benchmarks/results/calibration_h200.json, prefix_cache/data/cost_model_h200.json). To calibrate
+benchmarks/results/calibration_h200.json, prefix_cache/planner/data/cost_model_h200.json). To calibrate
 another GPU, run both there.
 """
 

@@ -27,7 +27,7 @@ from prefix_cache.planner.cost_model import COEFFICIENTS, TILE_RULE, CostModel
 from prefix_cache.planner.planner import CascadePlanner
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGED = ROOT / "prefix_cache" / "data" / "cost_model_h200.json"
+PACKAGED = ROOT / "prefix_cache" / "planner" / "data" / "cost_model_h200.json"
 
 
 def test_the_packaged_cost_model_refits_from_the_committed_calibration(tmp_path: Path) -> None:

@@ -78,8 +78,11 @@ def chat_turns(
 
 @pytest.mark.parametrize(
     ("cascade", "caching"),
-    [(True, True), (False, True), (True, False)],
-    ids=["cache+cascade", "no-cascade", "no-cache"],
+    [
+        pytest.param(True, True, id="cache+cascade", marks=pytest.mark.slow),
+        pytest.param(False, True, id="no-cascade"),
+        pytest.param(True, False, id="no-cache", marks=pytest.mark.slow),
+    ],
 )
 def test_greedy_multi_turn_chat_matches_transformers(cascade, caching):
     eng = engine(cascade=cascade, caching=caching)
@@ -96,6 +99,7 @@ def test_greedy_multi_turn_chat_matches_transformers(cascade, caching):
     assert (eng.stats.shared_levels > 0) == (cascade and caching)
 
 
+@pytest.mark.slow
 def test_triton_backend_matches_transformers_on_two_layers():
     """Triton's kernels (in the interpreter on CPU) at a small size: SmolLM2's first two layers."""
     pytest.importorskip("triton")
@@ -107,6 +111,7 @@ def test_triton_backend_matches_transformers_on_two_layers():
     assert eng.stats.shared_levels > 0 and eng.cache.stats.hit_rate > 0.4
 
 
+@pytest.mark.slow
 def test_preemption_when_pages_run_out_mid_decode_keeps_every_output():
     # 3 conversations of ~90-token prompts, 32 new tokens each: ~8 pages apiece, 30 in all; 20 pages
     # admit all three, then decode runs out and the youngest is preempted and later recomputed.
@@ -254,6 +259,7 @@ def test_command_line_answers_a_prompt(monkeypatch, capsys):
     assert "Paris" in printed and "prompt tokens" in printed
 
 
+@pytest.mark.slow
 def test_command_line_runs_without_triton_installed():
     # The engine extra brings no triton: on a CPU install the engine with the torch backend must
     # neither import triton nor our kernels. None in sys.modules makes "import triton" fail as if

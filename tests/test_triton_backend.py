@@ -807,6 +807,7 @@ def test_a_refused_plan_leaves_the_fixed_buffers_and_flashinfer_level_as_they_we
     )
 
 
+@pytest.mark.slow
 def test_flashinfer_levels_on_random_batches_exact_and_under_a_capacity() -> None:
     """Random sharing trees, three plans per backend in a row, every shared level the rule admits
     handed to the stand-in FlashInfer (FA3's base-2 states, chunks of whole pages): an exact backend
