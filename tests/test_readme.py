@@ -3,8 +3,8 @@
 Each block runs in a process of its own (``python -c``) from the repository root, on the CPU, with the
 user's environment less what this test suite adds to it: ``tests/conftest.py`` sets
 ``TRITON_INTERPRET=1`` for the suite, and a block that needs it must say so itself. ```bash blocks
-are not run. Blocks that load the SmolLM2 weights (about 10 s to read and dequantize the GGUF file
-on a 2-core machine) are marked ``slow``.
+are not run. Blocks that load the SmolLM2 weights (they read and dequantize its GGUF file, the
+slowest block by far) are marked ``slow``.
 """
 
 from __future__ import annotations
