@@ -1,0 +1,269 @@
+"""The host tier's mover on CPU tensors: bytes survive a save and a load in every layout and dtype,
+random batches agree with a dict of page -> bytes, and bad input changes nothing."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from offload_layouts import DTYPES, LAYOUTS, host_page_bytes, make_layer, page_bytes, random_bits
+
+from prefix_cache.offload import HostKVPool, KVMover, PinningError
+
+LAYERS, PAGES, PAGE, HEADS, DIM, HOST = 3, 12, 4, 2, 8, 10
+
+
+def build(layout: str, dtype: torch.dtype, seed: int = 0, staging_pages: int | None = None, host: int = HOST):
+    """(kv_caches, host pool, mover), both pools filled with random bytes."""
+    gen = torch.Generator().manual_seed(seed)
+    kv_caches = [make_layer(layout, PAGES, PAGE, HEADS, DIM, dtype, gen) for _ in range(LAYERS)]
+    pool = HostKVPool(host, LAYERS, PAGE, HEADS, DIM, dtype)
+    pool.pages.copy_(random_bits(tuple(pool.pages.shape), dtype, gen, "cpu"))
+    return kv_caches, pool, KVMover(kv_caches, pool, staging_pages=staging_pages)
+
+
+def snapshot(kv_caches, pool) -> tuple[list[bytes], list[bytes]]:
+    return (
+        [page_bytes(kv_caches, p) for p in range(PAGES)],
+        [host_page_bytes(pool.pages, h) for h in range(pool.num_pages)],
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_round_trip_is_bitwise_and_touches_only_its_pages(layout: str, dtype: torch.dtype) -> None:
+    kv_caches, pool, mover = build(layout, dtype, staging_pages=2)
+    gpu_before, host_before = snapshot(kv_caches, pool)
+    # Host pages: a run of three, then two scattered; more pages than the staging buffer holds.
+    src, dst_host, dst_gpu = [1, 5, 2, 9, 0], [3, 4, 5, 0, 8], [11, 6, 4, 7, 10]
+    assert mover.save(src, dst_host).ok
+    gpu_mid, host_mid = snapshot(kv_caches, pool)
+    assert gpu_mid == gpu_before
+    for h in range(HOST):
+        want = gpu_before[src[dst_host.index(h)]] if h in dst_host else host_before[h]
+        assert host_mid[h] == want, h
+    assert mover.load(dst_host, dst_gpu).ok
+    gpu_after, host_after = snapshot(kv_caches, pool)
+    assert host_after == host_mid
+    for p in range(PAGES):
+        want = gpu_before[src[dst_gpu.index(p)]] if p in dst_gpu else gpu_before[p]
+        assert gpu_after[p] == want, p
+
+
+def test_host_pages_are_page_first() -> None:
+    kv_caches, pool, mover = build("hnd_pair", torch.float32)
+    mover.save([7], [2])
+    k, v = (half.view(torch.int32) for half in kv_caches[1])  # bits: random bytes hold NaNs
+    host = pool.pages.view(torch.int32)
+    assert torch.equal(host[2, 1, 0], k[7]) and torch.equal(host[2, 1, 1], v[7])
+    assert pool.pages[2].is_contiguous() and pool.page_bytes == LAYERS * 2 * PAGE * HEADS * DIM * 4
+
+
+class MoverMachine(RuleBasedStateMachine):
+    """Random batches of saves, loads, forward writes and bad batches against a dict of page -> bytes."""
+
+    @initialize(
+        layout=st.sampled_from(LAYOUTS),
+        dtype=st.sampled_from([torch.bfloat16, torch.float32]),
+        staging=st.integers(1, 4),
+        seed=st.integers(0, 2**16),
+    )
+    def setup(self, layout: str, dtype: torch.dtype, staging: int, seed: int) -> None:
+        self.kv_caches, self.pool, self.mover = build(layout, dtype, seed, staging_pages=staging)
+        self.gen = torch.Generator().manual_seed(seed + 1)
+        gpu, host = snapshot(self.kv_caches, self.pool)
+        self.gpu = dict(enumerate(gpu))
+        self.host = dict(enumerate(host))
+
+    def batch(self, data, dest_limit: int, src_limit: int) -> tuple[list[int], list[int]]:
+        dests = data.draw(st.lists(st.integers(0, dest_limit - 1), max_size=dest_limit, unique=True))
+        srcs = data.draw(st.lists(st.integers(0, src_limit - 1), min_size=len(dests), max_size=len(dests)))
+        return srcs, dests
+
+    @rule(data=st.data())
+    def save(self, data) -> None:
+        gpu, host = self.batch(data, HOST, PAGES)
+        assert self.mover.save(gpu, host).ok
+        self.host.update({h: self.gpu[g] for g, h in zip(gpu, host, strict=True)})
+
+    @rule(data=st.data())
+    def load(self, data) -> None:
+        host, gpu = self.batch(data, PAGES, HOST)
+        assert self.mover.load(np.array(host, dtype=np.int32), gpu).ok
+        self.gpu.update({g: self.host[h] for h, g in zip(host, gpu, strict=True)})
+
+    @rule(page=st.integers(0, PAGES - 1))
+    def forward_writes(self, page: int) -> None:
+        for kv_cache in self.kv_caches:
+            for half in (kv_cache[:, 0], kv_cache[:, 1]) if isinstance(kv_cache, torch.Tensor) else kv_cache:
+                half[page] = random_bits(tuple(half[page].shape), half.dtype, self.gen, "cpu")
+        self.gpu[page] = page_bytes(self.kv_caches, page)
+
+    @rule(
+        kind=st.sampled_from(["save", "load"]),
+        bad=st.sampled_from(["gpu_range", "host_range", "negative", "duplicate", "lengths", "float"]),
+    )
+    def bad_batch(self, kind: str, bad: str) -> None:
+        gpu, host = [0, 1, 2], [3, 4, 5]
+        if bad == "gpu_range":
+            gpu = [0, PAGES, 2]
+        elif bad == "host_range":
+            host = [3, HOST, 5]
+        elif bad == "negative":
+            gpu = [0, -1, 2]
+        elif bad == "duplicate":
+            gpu, host = ([0, 1, 1], host) if kind == "load" else (gpu, [3, 3, 5])
+        elif bad == "lengths":
+            host = [3, 4]
+        else:
+            gpu = [0.0, 1.0, 2.0]
+        with pytest.raises(ValueError):
+            self.mover.save(gpu, host) if kind == "save" else self.mover.load(host, gpu)
+
+    @invariant()
+    def pools_match_the_model(self) -> None:
+        gpu, host = snapshot(self.kv_caches, self.pool)
+        assert gpu == [self.gpu[p] for p in range(PAGES)]
+        assert host == [self.host[h] for h in range(HOST)]
+
+
+TestMoverMachine = MoverMachine.TestCase
+TestMoverMachine.settings = settings(
+    max_examples=60, stateful_step_count=12, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda m: m.save([0, 12], [0, 1]), "gpu_pages holds page 12, outside the pool's pages 0..11"),
+        (lambda m: m.save([0, 1], [0, 10]), "host_pages holds page 10, outside the pool's pages 0..9"),
+        (lambda m: m.load([0, 1], [-3, 1]), "gpu_pages holds page -3"),
+        (lambda m: m.save([0, 1], [4, 4]), "host_pages names page 4 twice in one batch"),
+        (lambda m: m.load([4, 4], [0, 0]), "gpu_pages names page 0 twice in one batch"),
+        (lambda m: m.save([0, 1, 2], [0, 1]), "gpu_pages has 3 pages, host_pages 2"),
+        (lambda m: m.load([[0]], [1]), "host_pages must be a 1-D list"),
+        (lambda m: m.save([0.5], [1]), "gpu_pages must be integer page ids"),
+        (lambda m: m.save([True], [1]), "gpu_pages must be integer page ids"),
+    ],
+)
+def test_bad_batches_name_the_problem_and_change_nothing(call, message: str) -> None:
+    kv_caches, pool, mover = build("vllm", torch.bfloat16)
+    before = snapshot(kv_caches, pool)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        call(mover)
+    assert snapshot(kv_caches, pool) == before
+
+
+def test_duplicate_sources_are_fine_and_empty_batches_do_nothing() -> None:
+    kv_caches, pool, mover = build("nhd5", torch.float16)
+    before = snapshot(kv_caches, pool)
+    assert mover.save([], []).ok and mover.load(np.array([], dtype=np.int64), []).ok
+    assert snapshot(kv_caches, pool) == before
+    assert mover.save([3, 3], [0, 1]).ok
+    assert host_page_bytes(pool.pages, 0) == host_page_bytes(pool.pages, 1) == before[0][3]
+
+
+def layers(layout: str, dtype=torch.float32, pages=PAGES, page=PAGE, heads=HEADS, dim=DIM, n=LAYERS):
+    gen = torch.Generator().manual_seed(0)
+    return [make_layer(layout, pages, page, heads, dim, dtype, gen) for _ in range(n)]
+
+
+@pytest.mark.parametrize(
+    ("kv_caches", "pool", "message"),
+    [
+        ([], (HOST, LAYERS, PAGE, HEADS, DIM, torch.float32), "kv_caches must be a non-empty list"),
+        (
+            [*layers("pair", n=2), layers("pair", dtype=torch.float16, n=1)[0]],
+            (HOST, LAYERS, PAGE, HEADS, DIM, torch.float32),
+            "layer 2 is (12, 4, 2, 8) torch.float16 on cpu, layer 0 is (12, 4, 2, 8) torch.float32",
+        ),
+        (
+            [*layers("nhd5", n=2), layers("nhd5", pages=11, n=1)[0]],
+            (HOST, LAYERS, PAGE, HEADS, DIM, torch.float32),
+            "layer 2 is (11, 4, 2, 8)",
+        ),
+        (
+            [*layers("pair", n=2), (torch.zeros(12, 4, 2, 8), torch.zeros(12, 4, 2, 7))],
+            (HOST, LAYERS, PAGE, HEADS, DIM, torch.float32),
+            "layer 2: k_cache and v_cache must both be",
+        ),
+        (layers("vllm"), (HOST, LAYERS, PAGE, HEADS, DIM, torch.bfloat16), "the host pool's pages are"),
+        (
+            layers("vllm"),
+            (HOST, LAYERS + 1, PAGE, HEADS, DIM, torch.float32),
+            "the KV pool needs (3, 2, 4, 2, 8)",
+        ),
+        (layers("hnd5"), (HOST, LAYERS, PAGE, HEADS + 1, DIM, torch.float32), "the host pool's pages are"),
+    ],
+)
+def test_mismatched_pools_are_refused(kv_caches, pool, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        KVMover(kv_caches, HostKVPool(*pool))
+
+
+def test_bad_staging_size_is_refused() -> None:
+    with pytest.raises(ValueError, match="staging_pages must be an integer >= 1, got 0"):
+        KVMover(layers("pair"), HostKVPool(HOST, LAYERS, PAGE, HEADS, DIM, torch.float32), staging_pages=0)
+
+
+@pytest.mark.parametrize("host_pages", [0, -4, True, 2.0, None])
+def test_host_pages_out_of_range(host_pages) -> None:
+    with pytest.raises(ValueError, match="host_pages must be an integer >= 1"):
+        HostKVPool(host_pages, LAYERS, PAGE, HEADS, DIM, torch.float32)
+
+
+def test_a_host_pool_larger_than_the_machine_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"host_pages=\d+ needs .* GiB .* more than this machine's"):
+        HostKVPool(2**40, 32, 16, 8, 128, torch.bfloat16)
+
+
+def test_a_pinning_failure_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    def fail(*args, **kwargs):
+        raise RuntimeError("CUDA error: out of memory")
+
+    monkeypatch.setattr(torch, "empty", fail)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(
+        PinningError, match=r"could not allocate 0\.00 GiB of pinned host memory for host_pages=4"
+    ):
+        HostKVPool(4, LAYERS, PAGE, HEADS, DIM, torch.float32, pin=True)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+def test_pinning_without_cuda_is_refused() -> None:
+    with pytest.raises(PinningError, match="a pinned host pool needs CUDA"):
+        HostKVPool(4, LAYERS, PAGE, HEADS, DIM, torch.float32, pin=True)
+
+
+def test_a_copy_that_fails_midway_reports_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    _, _, mover = build("pair", torch.float32, staging_pages=1)
+    calls = []
+
+    def index_copy_then_fail(self, dim, index, source):
+        calls.append(1)
+        if len(calls) > 3:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return original(self, dim, index, source)
+
+    original = torch.Tensor.index_copy_
+    monkeypatch.setattr(torch.Tensor, "index_copy_", index_copy_then_fail)
+    handle = mover.load([0, 1, 2], [0, 1, 2])
+    assert handle.done() and not handle.ok
+    assert "illegal memory access" in str(handle.error)
+    assert "failed" in repr(handle)
+
+
+def test_a_cancelled_copy_is_done_but_not_ok() -> None:
+    _, _, mover = build("pair", torch.float32)
+    handle = mover.save([0], [0])
+    handle.cancel()
+    assert handle.done() and handle.cancelled and not handle.ok
+    handle.wait()
+    handle.wait_on()  # nothing to wait for on CPU
+    assert not handle.ok
