@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from prefix_cache.attention.kv_layout import KVCache, split_kv_cache
+from prefix_cache.offload import HostKVPool, KVMover
 
 #: Each layout: one layer's pool of ``[num_pages, page_size, H, D]`` K and V as the engine passes it.
 LAYOUTS = ("nhd5", "pair", "vllm", "hnd_pair", "hnd5")
@@ -13,6 +14,9 @@ LAYOUTS = ("nhd5", "pair", "vllm", "hnd_pair", "hnd5")
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 if hasattr(torch, "float8_e4m3fn"):
     DTYPES.append(torch.float8_e4m3fn)
+
+#: The test pools: layers, GPU pages, page size, KV heads, head dim, host pages.
+LAYERS, PAGES, PAGE, HEADS, DIM, HOST = 3, 12, 4, 2, 8, 10
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 
@@ -60,3 +64,52 @@ def page_bytes(kv_caches: list[KVCache], page: int) -> bytes:
 def host_page_bytes(pages: torch.Tensor, page: int) -> bytes:
     """Host page ``page`` of a ``HostKVPool.pages`` tensor as bytes."""
     return pages[page].view(_BITS[pages.dtype.itemsize]).numpy().tobytes()
+
+
+def build(
+    layout: str,
+    dtype: torch.dtype,
+    seed: int = 0,
+    staging_pages: int | None = None,
+    device: str = "cpu",
+) -> tuple[list[KVCache], HostKVPool, KVMover]:
+    """(kv_caches, host pool, mover) of the test sizes, both pools filled with random bytes."""
+    gen = torch.Generator().manual_seed(seed)
+    kv_caches = [make_layer(layout, PAGES, PAGE, HEADS, DIM, dtype, gen, device) for _ in range(LAYERS)]
+    pool = HostKVPool(HOST, LAYERS, PAGE, HEADS, DIM, dtype)
+    pool.pages.copy_(random_bits(tuple(pool.pages.shape), dtype, gen, "cpu"))
+    if device != "cpu":
+        torch.cuda.synchronize()  # the uploads are done before any other stream touches the pools
+    return kv_caches, pool, KVMover(kv_caches, pool, staging_pages=staging_pages)
+
+
+def snapshot(kv_caches: list[KVCache], pool: HostKVPool) -> tuple[list[bytes], list[bytes]]:
+    """Every GPU page's bytes and every host page's bytes."""
+    return (
+        [page_bytes(kv_caches, p) for p in range(PAGES)],
+        [host_page_bytes(pool.pages, h) for h in range(pool.num_pages)],
+    )
+
+
+def check_round_trip(layout: str, dtype: torch.dtype, device: str) -> None:
+    """Saves five pages (more than the staging buffer holds; host pages a run and scattered ones),
+    loads them back into other pages: those hold the saved bytes, every other page is untouched."""
+    kv_caches, pool, mover = build(layout, dtype, staging_pages=2, device=device)
+    gpu_before, host_before = snapshot(kv_caches, pool)
+    src, dst_host, dst_gpu = [1, 5, 2, 9, 0], [3, 4, 5, 0, 8], [11, 6, 4, 7, 10]
+    handle = mover.save(src, dst_host)
+    handle.wait()
+    assert handle.ok
+    gpu_mid, host_mid = snapshot(kv_caches, pool)
+    assert gpu_mid == gpu_before
+    for h in range(HOST):
+        want = gpu_before[src[dst_host.index(h)]] if h in dst_host else host_before[h]
+        assert host_mid[h] == want, h
+    handle = mover.load(dst_host, dst_gpu)
+    handle.wait()
+    assert handle.ok
+    gpu_after, host_after = snapshot(kv_caches, pool)
+    assert host_after == host_mid
+    for p in range(PAGES):
+        want = gpu_before[src[dst_gpu.index(p)]] if p in dst_gpu else gpu_before[p]
+        assert gpu_after[p] == want, p

@@ -11,48 +11,31 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
-from offload_layouts import DTYPES, LAYOUTS, host_page_bytes, make_layer, page_bytes, random_bits
+from offload_layouts import (
+    DIM,
+    DTYPES,
+    HEADS,
+    HOST,
+    LAYERS,
+    LAYOUTS,
+    PAGE,
+    PAGES,
+    build,
+    check_round_trip,
+    host_page_bytes,
+    make_layer,
+    page_bytes,
+    random_bits,
+    snapshot,
+)
 
 from prefix_cache.offload import HostKVPool, KVMover, PinningError
-
-LAYERS, PAGES, PAGE, HEADS, DIM, HOST = 3, 12, 4, 2, 8, 10
-
-
-def build(layout: str, dtype: torch.dtype, seed: int = 0, staging_pages: int | None = None, host: int = HOST):
-    """(kv_caches, host pool, mover), both pools filled with random bytes."""
-    gen = torch.Generator().manual_seed(seed)
-    kv_caches = [make_layer(layout, PAGES, PAGE, HEADS, DIM, dtype, gen) for _ in range(LAYERS)]
-    pool = HostKVPool(host, LAYERS, PAGE, HEADS, DIM, dtype)
-    pool.pages.copy_(random_bits(tuple(pool.pages.shape), dtype, gen, "cpu"))
-    return kv_caches, pool, KVMover(kv_caches, pool, staging_pages=staging_pages)
-
-
-def snapshot(kv_caches, pool) -> tuple[list[bytes], list[bytes]]:
-    return (
-        [page_bytes(kv_caches, p) for p in range(PAGES)],
-        [host_page_bytes(pool.pages, h) for h in range(pool.num_pages)],
-    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_round_trip_is_bitwise_and_touches_only_its_pages(layout: str, dtype: torch.dtype) -> None:
-    kv_caches, pool, mover = build(layout, dtype, staging_pages=2)
-    gpu_before, host_before = snapshot(kv_caches, pool)
-    # Host pages: a run of three, then two scattered; more pages than the staging buffer holds.
-    src, dst_host, dst_gpu = [1, 5, 2, 9, 0], [3, 4, 5, 0, 8], [11, 6, 4, 7, 10]
-    assert mover.save(src, dst_host).ok
-    gpu_mid, host_mid = snapshot(kv_caches, pool)
-    assert gpu_mid == gpu_before
-    for h in range(HOST):
-        want = gpu_before[src[dst_host.index(h)]] if h in dst_host else host_before[h]
-        assert host_mid[h] == want, h
-    assert mover.load(dst_host, dst_gpu).ok
-    gpu_after, host_after = snapshot(kv_caches, pool)
-    assert host_after == host_mid
-    for p in range(PAGES):
-        want = gpu_before[src[dst_gpu.index(p)]] if p in dst_gpu else gpu_before[p]
-        assert gpu_after[p] == want, p
+    check_round_trip(layout, dtype, "cpu")
 
 
 def test_host_pages_are_page_first() -> None:
@@ -267,3 +250,14 @@ def test_a_cancelled_copy_is_done_but_not_ok() -> None:
     handle.wait()
     handle.wait_on()  # nothing to wait for on CPU
     assert not handle.ok
+
+
+@pytest.mark.parametrize(("dtype", "dim"), [(torch.bfloat16, 3), (torch.float32, 1), (torch.float16, 6)])
+def test_head_dims_of_any_size_round_trip(dtype: torch.dtype, dim: int) -> None:
+    # 6, 4 and 12 bytes of head_dim: the copies go through 2-, 4- and 4-byte integers, not 8.
+    gen = torch.Generator().manual_seed(3)
+    kv_caches = [make_layer("hnd5", PAGES, PAGE, HEADS, dim, dtype, gen) for _ in range(2)]
+    mover = KVMover(kv_caches, HostKVPool(4, 2, PAGE, HEADS, dim, dtype))
+    before = [page_bytes(kv_caches, p) for p in range(PAGES)]
+    assert mover.save([5, 6], [3, 0]).ok and mover.load([3, 0], [1, 2]).ok
+    assert [page_bytes(kv_caches, p) for p in range(PAGES)] == [before[0], before[5], before[6], *before[3:]]

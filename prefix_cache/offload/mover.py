@@ -92,22 +92,29 @@ class KVMover:
             staging_pages = min(host_pool.num_pages, max(1, STAGING_BYTES // host_pool.page_bytes))
         if isinstance(staging_pages, bool) or not isinstance(staging_pages, int) or staging_pages < 1:
             raise ValueError(f"staging_pages must be an integer >= 1, got {staging_pages!r}")
-        bits = _BITS.get(dtype.itemsize)
-        if bits is None:
+        views = _widest_views([tensor for tensor, _ in parts] + [host_pool.pages], dtype.itemsize)
+        if views is None:
             raise ValueError(f"no integer type of {dtype.itemsize} bytes to move {dtype} through")
 
         self.device: torch.device = device
         self.num_pages: int = num_pages
         self.host_pool: HostKVPool = host_pool
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._parts = [(tensor.view(bits), slot) for tensor, slot in parts]
-        self._host = host_pool.pages.view(bits)
+        self._parts = [(view, slot) for view, (_, slot) in zip(views, parts, strict=False)]
+        self._host = views[-1]
         with torch.cuda.stream(self._stream) if self._stream else contextlib.nullcontext():
             # Allocated on the copy stream: freed memory is reused only after its copies.
-            self._staging = torch.empty((staging_pages, *wanted), dtype=bits, device=device)
+            self._staging = torch.empty(
+                (staging_pages, *self._host.shape[1:]), dtype=self._host.dtype, device=device
+            )
         if self._stream is not None:
             for tensor, _ in self._parts:
                 tensor.record_stream(self._stream)
+
+    @property
+    def copy_stream(self) -> torch.cuda.Stream | None:
+        """The CUDA stream the copies run on (None on CPU: they run in the call)."""
+        return self._stream
 
     @property
     def staging_pages(self) -> int:
@@ -199,6 +206,20 @@ class KVMover:
                     staging[first:last].copy_(self._host[page : page + last - first], non_blocking=True)
                 for tensor, slot in self._parts:
                     tensor.index_copy_(0, chunk, staging[(slice(None), *slot)])
+
+
+def _widest_views(tensors: list[torch.Tensor], itemsize: int) -> list[torch.Tensor] | None:
+    """The tensors viewed as the widest integer type (up to 8 bytes, at least ``itemsize``) that
+    views all of them: the gather and scatter kernels then move 8 bytes per element, not 2 or 1.
+    None when no integer type has ``itemsize`` bytes."""
+    for width, bits in sorted(_BITS.items(), reverse=True):
+        if width < itemsize:
+            break
+        try:
+            return [tensor.view(bits) for tensor in tensors]
+        except RuntimeError:
+            continue  # head_dim bytes, a stride or an offset not a multiple of width
+    return None
 
 
 def _page_ids(pages: PageIds, name: str, limit: int) -> np.ndarray:
