@@ -8,8 +8,8 @@ import torch
 from prefix_cache.attention.kv_layout import KVCache, split_kv_cache
 from prefix_cache.offload import HostKVPool, KVMover
 
-#: Each layout: one layer's pool of ``[num_pages, page_size, H, D]`` K and V as the engine passes it.
-LAYOUTS = ("nhd5", "pair", "vllm", "hnd_pair", "hnd5")
+#: Each layout: the per-layer KV caches as an engine passes them (see ``make_pool``).
+LAYOUTS = ("nhd5", "pair", "vllm", "hnd_pair", "hnd5", "one_nhd5", "one_vllm", "mixed")
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 if hasattr(torch, "float8_e4m3fn"):
@@ -50,6 +50,26 @@ def make_layer(
     raise ValueError(layout)
 
 
+def make_pool(
+    layout: str, layers: int, pages: int, page_size: int, heads: int, dim: int, dtype, gen, device="cpu"
+) -> list[KVCache]:
+    """Every layer's KV cache: per-layer tensors in one of ``make_layer``'s layouts; ``one_nhd5``:
+    one ``[layers, pages, 2, page_size, H, D]`` tensor passed as ``list(pool)``; ``one_vllm``: one
+    ``[layers, 2, pages, page_size, H, D]`` tensor passed as ``(pool[l, 0], pool[l, 1])`` pairs;
+    ``mixed``: layers alternately ``nhd5`` and ``hnd_pair``."""
+    if layout == "one_nhd5":
+        return list(random_bits((layers, pages, 2, page_size, heads, dim), dtype, gen, device))
+    if layout == "one_vllm":
+        pool = random_bits((layers, 2, pages, page_size, heads, dim), dtype, gen, device)
+        return [(pool[layer, 0], pool[layer, 1]) for layer in range(layers)]
+    if layout == "mixed":
+        kinds = ["nhd5", "hnd_pair"]
+        return [
+            make_layer(kinds[i % 2], pages, page_size, heads, dim, dtype, gen, device) for i in range(layers)
+        ]
+    return [make_layer(layout, pages, page_size, heads, dim, dtype, gen, device) for _ in range(layers)]
+
+
 def page_bytes(kv_caches: list[KVCache], page: int) -> bytes:
     """GPU page ``page`` of every layer as bytes: per layer K then V, each NHD ``[page_size, H, D]``
     contiguous: the documented layout of one host page."""
@@ -75,7 +95,7 @@ def build(
 ) -> tuple[list[KVCache], HostKVPool, KVMover]:
     """(kv_caches, host pool, mover) of the test sizes, both pools filled with random bytes."""
     gen = torch.Generator().manual_seed(seed)
-    kv_caches = [make_layer(layout, PAGES, PAGE, HEADS, DIM, dtype, gen, device) for _ in range(LAYERS)]
+    kv_caches = make_pool(layout, LAYERS, PAGES, PAGE, HEADS, DIM, dtype, gen, device)
     pool = HostKVPool(HOST, LAYERS, PAGE, HEADS, DIM, dtype)
     pool.pages.copy_(random_bits(tuple(pool.pages.shape), dtype, gen, "cpu"))
     if device != "cpu":

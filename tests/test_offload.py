@@ -3,7 +3,11 @@ random batches agree with a dict of page -> bytes, and bad input changes nothing
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,12 +27,13 @@ from offload_layouts import (
     build,
     check_round_trip,
     host_page_bytes,
-    make_layer,
+    make_pool,
     page_bytes,
     random_bits,
     snapshot,
 )
 
+from prefix_cache.attention.kv_layout import split_kv_cache
 from prefix_cache.offload import HostKVPool, KVMover, PinningError
 
 
@@ -83,7 +88,7 @@ class MoverMachine(RuleBasedStateMachine):
     @rule(page=st.integers(0, PAGES - 1))
     def forward_writes(self, page: int) -> None:
         for kv_cache in self.kv_caches:
-            for half in (kv_cache[:, 0], kv_cache[:, 1]) if isinstance(kv_cache, torch.Tensor) else kv_cache:
+            for half in split_kv_cache(kv_cache):
                 half[page] = random_bits(tuple(half[page].shape), half.dtype, self.gen, "cpu")
         self.gpu[page] = page_bytes(self.kv_caches, page)
 
@@ -154,7 +159,7 @@ def test_duplicate_sources_are_fine_and_empty_batches_do_nothing() -> None:
 
 def layers(layout: str, dtype=torch.float32, pages=PAGES, page=PAGE, heads=HEADS, dim=DIM, n=LAYERS):
     gen = torch.Generator().manual_seed(0)
-    return [make_layer(layout, pages, page, heads, dim, dtype, gen) for _ in range(n)]
+    return make_pool(layout, n, pages, page, heads, dim, dtype, gen)
 
 
 @pytest.mark.parametrize(
@@ -256,8 +261,58 @@ def test_a_cancelled_copy_is_done_but_not_ok() -> None:
 def test_head_dims_of_any_size_round_trip(dtype: torch.dtype, dim: int) -> None:
     # 6, 4 and 12 bytes of head_dim: the copies go through 2-, 4- and 4-byte integers, not 8.
     gen = torch.Generator().manual_seed(3)
-    kv_caches = [make_layer("hnd5", PAGES, PAGE, HEADS, dim, dtype, gen) for _ in range(2)]
+    kv_caches = make_pool("hnd5", 2, PAGES, PAGE, HEADS, dim, dtype, gen)
     mover = KVMover(kv_caches, HostKVPool(4, 2, PAGE, HEADS, dim, dtype))
     before = [page_bytes(kv_caches, p) for p in range(PAGES)]
     assert mover.save([5, 6], [3, 0]).ok and mover.load([3, 0], [1, 2]).ok
     assert [page_bytes(kv_caches, p) for p in range(PAGES)] == [before[0], before[5], before[6], *before[3:]]
+
+
+@pytest.mark.parametrize(("layout", "ops"), [("one_nhd5", 1), ("one_vllm", 2), ("nhd5", 3), ("mixed", 4)])
+def test_layers_of_one_tensor_move_in_one_op(layout: str, ops: int) -> None:
+    # mixed: layers 0 and 2 are 5-D (two ops), layer 1 a K and V pair (two more).
+    _, _, mover = build(layout, torch.bfloat16)
+    assert mover.ops_per_chunk == ops
+
+
+def _irregular(case: str, gen: torch.Generator) -> list:
+    """Four layers, some views of one tensor that do not line up with the layer order."""
+    pool = list(random_bits((4, PAGES, 2, PAGE, HEADS, DIM), torch.float16, gen, "cpu"))
+    pair = make_pool("pair", 1, PAGES, PAGE, HEADS, DIM, torch.float16, gen)[0]
+    if case == "swapped":  # a regular first step, then not
+        return [pool[0], pool[1], pool[3], pool[2]]
+    if case == "after_a_pair":  # layers 1-3 line up: one op, at layers 1..3 of a host page
+        return [pair, pool[0], pool[1], pool[2]]
+    return [pool[0], pair, pool[1], pool[2]]  # "around_a_pair": layers 0, 2, 3 are not consecutive
+
+
+@pytest.mark.parametrize(("case", "ops"), [("swapped", 4), ("after_a_pair", 3), ("around_a_pair", 5)])
+def test_layers_of_one_tensor_that_do_not_line_up_round_trip(case: str, ops: int) -> None:
+    gen = torch.Generator().manual_seed(5)
+    kv_caches = _irregular(case, gen)
+    mover = KVMover(kv_caches, HostKVPool(2, 4, PAGE, HEADS, DIM, torch.float16))
+    assert mover.ops_per_chunk == ops
+    before = [page_bytes(kv_caches, p) for p in range(PAGES)]
+    assert mover.save([4, 7], [1, 0]).ok and mover.load([1, 0], [9, 2]).ok
+    assert host_page_bytes(mover.host_pool.pages, 1) == before[4]
+    assert host_page_bytes(mover.host_pool.pages, 0) == before[7]
+    assert [page_bytes(kv_caches, p) for p in range(PAGES)] == [
+        before[4] if p == 9 else before[7] if p == 2 else before[p] for p in range(PAGES)
+    ]
+
+
+def test_the_benchmark_runs_on_the_cpu(tmp_path) -> None:
+    bench = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_offload.py"
+    run = subprocess.run(
+        [sys.executable, str(bench), "--smoke", "--layouts", "nhd5,one,hnd", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    rows = json.loads((tmp_path / "offload_smoke.json").read_text())["rows"]
+    assert [(r["layout"], r["pages"]) for r in rows] == [
+        (lay, n) for lay in ("nhd5", "one", "hnd") for n in (1, 4, 8)
+    ]
+    assert all(r["bitwise"] for r in rows)
+    assert [r["ops"] for r in rows[::3]] == [2, 1, 4]

@@ -100,7 +100,7 @@ class KVMover:
         self.num_pages: int = num_pages
         self.host_pool: HostKVPool = host_pool
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._parts = [(view, slot) for view, (_, slot) in zip(views, parts, strict=False)]
+        self._parts = _merge_layers([(view, slot) for view, (_, slot) in zip(views, parts, strict=False)])
         self._host = views[-1]
         with torch.cuda.stream(self._stream) if self._stream else contextlib.nullcontext():
             # Allocated on the copy stream: freed memory is reused only after its copies.
@@ -115,6 +115,13 @@ class KVMover:
     def copy_stream(self) -> torch.cuda.Stream | None:
         """The CUDA stream the copies run on (None on CPU: they run in the call)."""
         return self._stream
+
+    @property
+    def ops_per_chunk(self) -> int:
+        """Gather (save) or scatter (load) ops per chunk of a batch: 1 or 2 when every layer is a
+        view of one tensor at a regular step (an engine that allocates its pool as one
+        ``[num_layers, ...]`` tensor and passes ``list(pool)``), else one or two per layer."""
+        return len(self._parts)
 
     @property
     def staging_pages(self) -> int:
@@ -206,6 +213,42 @@ class KVMover:
                     staging[first:last].copy_(self._host[page : page + last - first], non_blocking=True)
                 for tensor, slot in self._parts:
                     tensor.index_copy_(0, chunk, staging[(slice(None), *slot)])
+
+
+def _merge_layers(parts: list[tuple[torch.Tensor, tuple]]) -> list[tuple[torch.Tensor, tuple]]:
+    """The per-layer (tensor, staging slot) parts, each group of the same kind across layers (5-D
+    layers; K; V) merged into one ``[num_pages, layers, ...]`` view where its layers are consecutive
+    and equal views of one storage at a regular positive step: one op then moves all of them, its
+    slot a slice of the staging page's layer axis. Groups that do not line up stay per layer."""
+    groups: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
+    for tensor, slot in parts:
+        groups.setdefault(slot[1:], []).append((slot[0], tensor))
+    merged = []
+    for rest, members in groups.items():
+        layers = [layer for layer, _ in members]
+        tensors = [tensor for _, tensor in members]
+        first = tensors[0]
+        offsets = [t.storage_offset() for t in tensors]
+        step = offsets[1] - offsets[0] if len(tensors) > 1 else 0
+        regular = (
+            step > 0
+            and layers == list(range(layers[0], layers[0] + len(layers)))
+            and all(
+                t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+                and t.shape == first.shape
+                and t.stride() == first.stride()
+                and offset == offsets[0] + i * step
+                for i, (t, offset) in enumerate(zip(tensors, offsets, strict=True))
+            )
+        )
+        if regular:
+            size = (first.shape[0], len(tensors), *first.shape[1:])
+            stride = (first.stride(0), step, *first.stride()[1:])
+            span = slice(layers[0], layers[0] + len(layers))
+            merged.append((first.as_strided(size, stride, offsets[0]), (span, *rest)))
+        else:
+            merged += [(tensor, (layer, *rest)) for layer, tensor in members]
+    return merged
 
 
 def _widest_views(tensors: list[torch.Tensor], itemsize: int) -> list[torch.Tensor] | None:
