@@ -1,14 +1,16 @@
 """Batched page copies between the engine's per-layer KV pools and the pinned host pool (torch only).
 
 A save gathers the batch's GPU pages of every layer into a page-first staging buffer on the GPU
-(one ``index_select`` per layer, K and V together for a 5-D pool), then copies the staging buffer to
-the host pool with one asynchronous copy per run of consecutive host pages. A load is the mirror:
-one copy per host run into staging, then one ``index_copy_`` per layer. Batches larger than the
-staging buffer go through it in chunks. On CUDA all of it runs on the mover's own stream, ordered
-against the caller's stream by events; on CPU tensors it runs before the call returns.
+(one ``index_select`` per layer and K/V tensor, K and V together for a 5-D layer; one for all
+layers when they are equal views of one tensor), then copies the staging buffer to the host pool
+with one asynchronous copy per run of consecutive host pages. A load is the mirror: one copy per
+host run into staging, then ``index_copy_`` into the layers. Batches larger than the staging
+buffer go through it in chunks. On CUDA all of it runs on the mover's own stream, ordered against
+the caller's stream by events; on CPU tensors it runs before the call returns.
 
-Every copy moves bytes through an integer view of the same element size, so what comes back is
-bitwise what was saved (float8 and NaN payloads included).
+Every copy moves bytes through the widest integer view the tensors allow (8 bytes for a head_dim
+of 128 in bf16), so what comes back is bitwise what was saved (float8 and NaN payloads included)
+and the gather kernels move few, wide elements.
 """
 
 from __future__ import annotations
@@ -45,9 +47,10 @@ class KVMover:
     after all work queued so far on the caller's ``stream`` (default: the current stream), so a save
     sees the KV that the forward before it wrote. They never wait for the host. Copies of all batches
     run on one stream in call order, so a load from a host page queued after the save to it reads
-    the saved bytes. The caller orders what follows through the handle: ``handle.wait_on(stream)``
-    before the forward that reads loaded pages, and ``handle.done()`` (or ``wait_on``) before a
-    saved GPU page, or a loaded-from host page, is written again.
+    the saved bytes, and a save into a host page waits for an earlier load from it. The caller
+    orders what follows through the handle: ``handle.wait_on(stream)`` before the forward that
+    reads loaded pages, and ``handle.done()`` (or ``wait_on``) before a saved GPU page is written
+    again. See docs/offload.md.
     """
 
     def __init__(
