@@ -2,7 +2,9 @@
 
 For each batch size (pages), six arms alternate for ``--rounds`` rounds; each arm's time is the wall
 time from the call to the copy being over (``handle.wait()``, or ``torch.cuda.synchronize()`` after
-the ``copy_``), median of the rounds, and its bandwidth is the batch's KV bytes over that time:
+the ``copy_``), median of the rounds, and its bandwidth is the batch's KV bytes over that time. The
+"call µs" columns are the median time until ``save`` / ``load`` returned (the host's cost of
+queuing the batch). The arms:
 
 - ``copy_ save`` / ``copy_ load``: one ``copy_(non_blocking=True)`` of one contiguous GPU buffer of
   the batch's bytes to one contiguous pinned buffer, and back: the bus's bar;
@@ -84,17 +86,19 @@ def snapshot(kv_caches, pages: torch.Tensor) -> list[torch.Tensor]:
     return [half[pages].clone() for half in halves(kv_caches)]
 
 
-def timed(run: Callable[[], object], cuda: bool) -> float:
-    """Seconds from the call to its copies being over."""
+def timed(run: Callable[[], object], cuda: bool) -> tuple[float, float]:
+    """Seconds from the call to its copies being over, and seconds until the call returned (what the
+    caller's thread pays to queue the batch)."""
     if cuda:
         torch.cuda.synchronize()
     start = time.perf_counter()
     handle = run()
+    returned = time.perf_counter()
     if handle is not None:
         handle.wait()
     if cuda:
         torch.cuda.synchronize()
-    return time.perf_counter() - start
+    return time.perf_counter() - start, returned - start
 
 
 def bench_size(n: int, mover: KVMover, kv_caches, flat_gpu, flat_host, rounds: int, cuda: bool, rng) -> dict:
@@ -127,15 +131,16 @@ def bench_size(n: int, mover: KVMover, kv_caches, flat_gpu, flat_host, rounds: i
     }
     for run in runs.values():  # warm-up: allocator, pinned index buffers
         timed(run, cuda)
-    seconds: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    seconds: dict[str, list[tuple[float, float]]] = {arm: [] for arm in ARMS}
     for r in range(rounds):
         order = ARMS[r % len(ARMS) :] + ARMS[: r % len(ARMS)]
         for arm in order:
             seconds[arm].append(timed(runs[arm], cuda))
     row = {"pages": n, "mib": nbytes / 2**20, "bitwise": bitwise}
     for arm in ARMS:
-        median = statistics.median(seconds[arm])
-        row[arm] = {"ms": median * 1e3, "gb_per_s": nbytes / median / 1e9}
+        median = statistics.median(total for total, _ in seconds[arm])
+        call = statistics.median(call for _, call in seconds[arm])
+        row[arm] = {"ms": median * 1e3, "gb_per_s": nbytes / median / 1e9, "call_us": call * 1e6}
     for arm in ("save", "save, scattered", "load", "load, scattered"):
         bar = "copy_ save" if arm.startswith("save") else "copy_ load"
         row[arm]["of_copy"] = row[arm]["gb_per_s"] / row[bar]["gb_per_s"]
@@ -146,9 +151,9 @@ def markdown(rows: list[dict]) -> str:
     head = (
         "| layout (ops per chunk) | pages | MiB | copy_ save GB/s | save GB/s | save / copy_ "
         "| scattered save / copy_ | copy_ load GB/s | load GB/s | load / copy_ | scattered load / copy_ "
-        "| bitwise |"
+        "| save call µs | load call µs | bitwise |"
     )
-    lines = [head, "|---|" + "---:|" * 10 + ":---:|"]
+    lines = [head, "|---|" + "---:|" * 12 + ":---:|"]
     for r in rows:
         lines.append(
             f"| {r['layout']} ({r['ops']}) | {r['pages']} | {r['mib']:.3g} "
@@ -156,7 +161,9 @@ def markdown(rows: list[dict]) -> str:
             f"| {r['save']['gb_per_s']:.1f} "
             f"| {r['save']['of_copy']:.2f} | {r['save, scattered']['of_copy']:.2f} "
             f"| {r['copy_ load']['gb_per_s']:.1f} | {r['load']['gb_per_s']:.1f} | {r['load']['of_copy']:.2f} "
-            f"| {r['load, scattered']['of_copy']:.2f} | {'yes' if r['bitwise'] else 'NO'} |"
+            f"| {r['load, scattered']['of_copy']:.2f} "
+            f"| {r['save']['call_us']:.0f} | {r['load']['call_us']:.0f} "
+            f"| {'yes' if r['bitwise'] else 'NO'} |"
         )
     return "\n".join(lines)
 
