@@ -188,6 +188,16 @@ def layers(layout: str, dtype=torch.float32, pages=PAGES, page=PAGE, heads=HEADS
             "the KV pool needs (3, 2, 4, 2, 8)",
         ),
         (layers("hnd5"), (HOST, LAYERS, PAGE, HEADS + 1, DIM, torch.float32), "the host pool's pages are"),
+        (
+            [*layers("nhd5", n=2), torch.empty(PAGES, 2, PAGE, HEADS, DIM, device="meta")],
+            (HOST, LAYERS, PAGE, HEADS, DIM, torch.float32),
+            "layer 2 is (12, 4, 2, 8) torch.float32 on meta, layer 0 is (12, 4, 2, 8) torch.float32 on cpu",
+        ),
+        (
+            [torch.empty(PAGES, 2, PAGE, HEADS, DIM, device="meta")] * LAYERS,
+            (HOST, LAYERS, PAGE, HEADS, DIM, torch.float32),
+            "the KV pool must be on CPU or CUDA, got meta",
+        ),
     ],
 )
 def test_mismatched_pools_are_refused(kv_caches, pool, message: str) -> None:
