@@ -106,3 +106,36 @@ def test_no_runtime_import_circle_between_modules() -> None:
 def test_each_subsystem_is_a_package() -> None:
     flat = sorted(p.name for p in (ROOT / "prefix_cache").glob("*.py"))
     assert flat == ["__init__.py", "__main__.py"], flat
+
+
+# Which subsystems each may import at run time (docs/layout.md): the bookkeeping halves stand alone,
+# events build on the cache, compute builds on plans, the tools on top use what they drive.
+ALLOWED = {
+    "cache": {"cache"},
+    "planner": {"planner"},
+    "events": {"events", "cache"},
+    "kernels": {"kernels", "planner", "attention"},  # attention.kv_layout: the pools' layouts
+    "attention": {"attention", "kernels", "planner"},
+    "offload": {"offload", "attention", "cache"},  # cache.errors: PinningError is a PrefixCacheError
+    "replay": {"replay", "cache", "events", "planner"},
+}
+
+
+def _subsystem(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in ALLOWED else None
+
+
+def test_subsystems_import_only_what_the_layout_allows() -> None:
+    files = [*ROOT.glob("prefix_cache/**/*.py"), *ROOT.glob("kernels/*.py")]
+    wrong = []
+    for path in files:
+        name = _module_name(path)
+        mine = _subsystem(name)
+        if mine is None:
+            continue
+        for dep in _runtime_imports(path):
+            theirs = _subsystem(dep)
+            if dep != "prefix_cache" and (theirs is None or theirs not in ALLOWED[mine]):
+                wrong.append(f"{name} imports {dep}")
+    assert not wrong, wrong

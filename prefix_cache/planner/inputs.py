@@ -8,6 +8,7 @@ rather than in a pass over every table of its own.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import numpy as np
@@ -24,6 +25,20 @@ Pages = np.ndarray | list[np.ndarray]
 #: Page ids, the page size and query offsets end up in int32 plan arrays.
 _I32_MAX = int(np.iinfo(_I32).max)
 _BOOL_TYPES = frozenset((bool, np.bool_))
+
+
+def check_setting(name: str, value: object, low: int) -> int:
+    """A planner setting as an int >= ``low``: TypeError for anything but an integer (a float, NaN or
+    bool would silently change which nodes are kept), ValueError below ``low``."""
+    if isinstance(value, (bool, float)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+    if number < low:
+        raise ValueError(f"{name} must be >= {low}, got {number}")
+    return number
 
 
 def check_plan_inputs(

@@ -22,9 +22,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from prefix_cache.cache.arguments import check_int
 from prefix_cache.planner.cost_model import CostModel, LevelShape, PlanFeatures, default_cost_model
-from prefix_cache.planner.inputs import Pages, check_plan_inputs, check_read_page_ids
+from prefix_cache.planner.inputs import Pages, check_plan_inputs, check_read_page_ids, check_setting
 from prefix_cache.planner.plan import CascadeLevel, CascadePlan
 
 _I32 = np.int32
@@ -76,12 +75,10 @@ class CascadePlanner:
     cost_model: CostModel | None = field(default_factory=lambda: _packaged_cost_model())
 
     def __post_init__(self) -> None:
-        # Integers only (a float or NaN threshold would silently change which nodes are kept; a bool
-        # is not a level count); numpy integers are taken as ints.
         for name, low in (("min_shared_tokens", 1), ("min_saved_tokens", 0), ("max_levels", 1)):
             value = getattr(self, name)
             if value is not None or name == "max_levels":
-                object.__setattr__(self, name, check_int(name, value, low))
+                object.__setattr__(self, name, check_setting(name, value, low))
 
     def plan(
         self,
