@@ -46,23 +46,21 @@ def _u64(digest: bytes) -> int:
 def test_sha256_cbor_recipe_written_out_byte_by_byte() -> None:
     """The documented recipe with the CBOR written by hand: NONE_HASH = sha256(cbor("vllm-none-hash")),
     block = sha256(cbor([parent, [tokens...], extra])), published as its last 8 bytes."""
-    none_hash = hashlib.sha256(b"\x6e" + b"vllm-none-hash").digest()  # text string of 14 bytes
+    none_hash = hashlib.sha256(b"\x6e" + b"vllm-none-hash").digest()  # a text string of 14 bytes
+    # [bytes(32), [1, 2, 24, 1000], nil]: 24 takes a one-byte argument, 1000 a two-byte one.
     first = hashlib.sha256(b"\x83\x58\x20" + none_hash + b"\x84\x01\x02\x18\x18\x19\x03\xe8\xf6").digest()
-    # Tokens [1, 2, 24, 1000]: 24 takes a one-byte argument, 1000 a two-byte one; nil: no extra keys.
-    second = hashlib.sha256(
-        b"\x83\x58\x20" + first + b"\x84\x1a\x00\x01\x11\x70\x00\x17\x17" + b"\x81\x82\x6acache_salt\x61x"
-    ).digest()
-    # With a salt the first block's extra keys are [["cache_salt", salt]]: here the salt is on block 0 only.
+    # [first, [70000, 0, 23, 23], nil]: 70000 takes four bytes, 23 fits in the head.
+    second = hashlib.sha256(b"\x83\x58\x20" + first + b"\x84\x1a\x00\x01\x11\x70\x00\x17\x17\xf6").digest()
     scheme = VllmHash("sha256_cbor")
-    assert block_hashes([1, 2, 24, 1000, 70000, 0, 23, 23], 4, scheme=scheme) == [
-        _u64(first),
-        _u64(hashlib.sha256(b"\x83\x58\x20" + first + b"\x84\x1a\x00\x01\x11\x70\x00\x17\x17\xf6").digest()),
+    assert block_hashes([1, 2, 24, 1000, 70000, 0, 23, 23], 4, scheme=scheme) == [_u64(first), _u64(second)]
+    # A cache_salt "x" is the first block's extra keys, [["cache_salt", "x"]]; later blocks have none.
+    salt = b"\x81\x82\x6acache_salt\x61x"
+    salted = hashlib.sha256(b"\x83\x58\x20" + none_hash + b"\x84\x01\x02\x18\x18\x19\x03\xe8" + salt).digest()
+    then = hashlib.sha256(b"\x83\x58\x20" + salted + b"\x84\x1a\x00\x01\x11\x70\x00\x17\x17\xf6").digest()
+    assert block_hashes([1, 2, 24, 1000, 70000, 0, 23, 23], 4, "x", scheme=scheme) == [
+        _u64(salted),
+        _u64(then),
     ]
-    salted_first = hashlib.sha256(
-        b"\x83\x58\x20" + none_hash + b"\x84\x01\x02\x18\x18\x19\x03\xe8" + b"\x81\x82\x6acache_salt\x61x"
-    ).digest()
-    assert block_hashes([1, 2, 24, 1000], 4, "x", scheme=scheme) == [_u64(salted_first)]
-    assert second != salted_first
     assert cbor((None, True, -1, -25, b"", "", [])) == b"\x87\xf6\xf5\x20\x38\x18\x40\x60\x80"
     with pytest.raises(TypeError, match="cbor"):
         cbor(1.5)

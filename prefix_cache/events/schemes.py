@@ -23,6 +23,7 @@ import hashlib
 import pickle
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Literal
 
 import numpy as np
@@ -92,8 +93,9 @@ class VllmHash:
             return hashlib.sha256(pickle.dumps(value, protocol=PICKLE_PROTOCOL)).digest()
         return hashlib.sha256(cbor(value)).digest()
 
+    @cached_property
     def none_hash(self) -> bytes:
-        """The parent of a prompt's first block."""
+        """The parent of a prompt's first block (32 bytes)."""
         return self.digest(VLLM_DEFAULT_SEED if self.seed is None else self.seed)
 
     def keys(
@@ -107,7 +109,7 @@ class VllmHash:
         """The published keys (ints) of the first ``num_pages`` full pages of ``tokens``, lazily."""
         if extra_keys or (namespace is not None and not isinstance(namespace, str)):
             return
-        parent = self.none_hash()
+        parent = self.none_hash
         values = tokens[: num_pages * page_size].tolist()
         for page in range(num_pages):
             extras = (("cache_salt", namespace),) if page == 0 and namespace else None
