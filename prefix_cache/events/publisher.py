@@ -137,6 +137,8 @@ class KVEventPublisher:
             self._close_sockets()
             raise
         self._closed = False
+        #: Set by the sender thread when it dies of an error: ``publish`` raises from then on.
+        self._sender_error: BaseException | None = None
         self._thread = threading.Thread(target=self._send_loop, name="kv-event-publisher", daemon=True)
         self._thread.start()
         self._replay_thread = None
@@ -159,8 +161,8 @@ class KVEventPublisher:
         """
         if self._closed:
             raise RuntimeError("the publisher is closed")
-        if not self._thread.is_alive():
-            raise RuntimeError("the publisher's sender thread has stopped")
+        if self._sender_error is not None:
+            raise RuntimeError("the publisher's sender thread has stopped") from self._sender_error
         if not isinstance(events, list):
             raise TypeError(f"events must be a list, got {type(events).__name__}")
         size = 0
@@ -230,6 +232,13 @@ class KVEventPublisher:
 
     def _send_loop(self) -> None:
         """The sender thread: the only user of the PUB socket."""
+        try:
+            self._send_batches()
+        except BaseException as error:
+            self._sender_error = error
+            raise
+
+    def _send_batches(self) -> None:
         encoder = msgspec.msgpack.Encoder()
         while True:
             self._wake.wait()
