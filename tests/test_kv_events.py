@@ -265,3 +265,16 @@ def test_publish_rejects_bad_input_and_never_blocks() -> None:
     assert elapsed < 5  # a full queue drops, it does not wait
     with pytest.raises(RuntimeError, match="closed"):
         pub.publish([BlockRemoved([1])])
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_publish_raises_once_the_sender_thread_died() -> None:
+    pub = KVEventPublisher(LOOPBACK)
+    pub._pub.close(linger=0)  # the socket fails under the sender thread
+    assert pub.publish([BlockRemoved([1])])
+    pub._thread.join(timeout=5)
+    with pytest.raises(RuntimeError, match="sender thread has stopped"):
+        pub.publish([BlockRemoved([2])])
+    with pytest.raises(TimeoutError):
+        pub.flush(timeout=1)
+    pub.close()
