@@ -201,9 +201,16 @@ def array_view(event: BlockStored | BlockRemoved | AllBlocksCleared) -> ArrayEve
 
 class FakeReplica:
     """A replica speaking the protocol by hand: a PUB socket whose messages the test chooses (so it
-    can leave one out) and a ROUTER answering replay requests from a dict, in its own thread."""
+    can leave one out) and a ROUTER answering replay requests from a dict (the newest ``keep``
+    batches of it, all by default), in its own thread. The dict may grow while it runs."""
 
-    def __init__(self, batches: dict[int, bytes], serve_replay: bool = True, topic: bytes = b"") -> None:
+    def __init__(
+        self,
+        batches: dict[int, bytes],
+        serve_replay: bool = True,
+        topic: bytes = b"",
+        keep: int | None = None,
+    ) -> None:
         context = zmq.Context.instance()
         self.batches = batches
         self.pub = context.socket(zmq.PUB)
@@ -215,6 +222,7 @@ class FakeReplica:
         port = self.router.bind_to_random_port("tcp://127.0.0.1")
         self.replay_endpoint = f"tcp://127.0.0.1:{port}" if serve_replay else None
         self.topic = topic  # a topic: vLLM 0.33's replay framing, (topic, seq, payload); None: the older one
+        self.keep = keep
         self.requests: list[int] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, daemon=True)
@@ -228,9 +236,11 @@ class FakeReplica:
             start_seq = int.from_bytes(start, "big")
             self.requests.append(start_seq)
             head = (identity, b"") if self.topic is None else (identity, b"", self.topic)
-            for seq in sorted(self.batches):
+            batches = self.batches.copy()  # one C call: safe against the test thread adding batches
+            kept = sorted(batches)[-self.keep :] if self.keep else sorted(batches)
+            for seq in kept:
                 if seq >= start_seq:
-                    self.router.send_multipart((*head, seq.to_bytes(8, "big"), self.batches[seq]))
+                    self.router.send_multipart((*head, seq.to_bytes(8, "big"), batches[seq]))
             end = (identity, b"") if self.topic is None else (identity, b"", b"")
             self.router.send_multipart((*end, END_SEQ, b""))
 
