@@ -3,7 +3,8 @@
 Runs ``prefix-cache replay --replicas 4`` with the default engine, then with a quarter of the pages
 per replica and twice the clients (so that the four pools together are the size of the default
 single engine's and capacity decides), and writes both reports with the date, machine, versions
-and exact commands to ``--output`` (default ``benchmarks/results/routing_sharegpt.md``).
+and exact commands to ``--output`` (default ``benchmarks/results/routing_sharegpt.md``). Last, the
+cost of the two wire layouts side by side: the same batches encoded in each, alternately.
 """
 
 from __future__ import annotations
@@ -16,6 +17,12 @@ import sys
 import time
 from importlib.metadata import version
 from pathlib import Path
+
+import msgspec
+import numpy as np
+
+from prefix_cache.cache.prefix_cache import PrefixCache
+from prefix_cache.events.wire import LAYOUTS, to_wire
 
 RUNS = (
     ("default engine per replica", ["--replicas", "4"]),
@@ -35,6 +42,64 @@ def _cpu() -> str:
 
 def _load() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def _step_batches(steps: int = 400, per_step: int = 8, seed: int = 0) -> list[list]:
+    """Each step's events from one cache: chats over a 512-token system prompt (page 16), prompts of
+    up to 2k tokens, a pool small enough to evict."""
+    rng = np.random.default_rng(seed)
+    cache = PrefixCache(num_pages=2048, page_size=16)
+    system = rng.integers(0, 128_000, 512, dtype=np.int32)
+    history = [system]
+    batches = []
+    for _ in range(steps):
+        for _ in range(per_step):
+            base = history[int(rng.integers(len(history)))]
+            prompt = np.concatenate(
+                [base, rng.integers(0, 128_000, int(rng.integers(16, 512)), dtype=np.int32)]
+            )
+            prompt = prompt[:2048]
+            seq = cache.open(prompt)
+            cache.allocate(seq, len(prompt) - seq.num_cached_tokens)
+            cache.commit(seq, prompt[seq.num_cached_tokens :])
+            cache.close(seq)
+            history.append(prompt)
+        batches.append(cache.drain_events())
+    return batches
+
+
+def _layout_costs(rounds: int = 5) -> list[str]:
+    """Encode the same batches in each layout, alternately, ``rounds`` times; the best round each."""
+    batches = _step_batches()
+    encoder = msgspec.msgpack.Encoder()
+    best = dict.fromkeys(LAYOUTS, float("inf"))
+    size = {}
+    for _ in range(rounds):
+        for layout in LAYOUTS:
+            start = time.perf_counter()
+            payloads = [encoder.encode(to_wire(events, 0.0, 0, layout)) for events in batches]
+            best[layout] = min(best[layout], time.perf_counter() - start)
+            size[layout] = sum(map(len, payloads))
+    events = sum(map(len, batches))
+    lines = [
+        "",
+        "## the two wire layouts, side by side",
+        "",
+        f"The events of {len(batches)} steps of one cache ({events:,} events; 8 chat requests per step",
+        "over a shared 512-token system prompt, page 16, prompts up to 2,048 tokens, 2,048 pages), encoded",
+        f"(`to_wire` + msgpack) in each layout alternately, {rounds} rounds, the best round each:",
+        "",
+        "| layout | µs per batch | bytes per batch |",
+        "|---|---:|---:|",
+    ]
+    for layout in LAYOUTS:
+        lines.append(
+            f"| {layout} | {best[layout] / len(batches) * 1e6:.1f} | {size[layout] / len(batches):,.0f} |"
+        )
+    lines.append("")
+    ratio_time, ratio_bytes = best["vllm"] / best["array"], size["vllm"] / size["array"]
+    lines.append(f"vllm / array: {ratio_time:.2f}x the time, {ratio_bytes:.2f}x the bytes.")
+    return lines
 
 
 def main() -> int:
@@ -72,6 +137,7 @@ def main() -> int:
         shown = "prefix-cache replay " + " ".join(extra)
         lines += ["", f"## {title}", "", f"`{shown}` ({elapsed:.0f} s in all, workload loading included)", ""]
         lines += ["```", out.rstrip(), "```"]
+    lines += _layout_costs()
     lines += ["", f"- load average at end: {_load()}", ""]
     args.output.write_text("\n".join(lines))
     print("\n".join(lines))

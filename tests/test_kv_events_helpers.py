@@ -19,22 +19,24 @@ from prefix_cache.events.wire import END_SEQ
 LOOPBACK = "tcp://127.0.0.1:0"
 
 
-# ---------------------------------------------------------------------- vLLM's schema, declared here
+# ---------------------------------------------------------------------- vLLM's schemas, declared here
+# From the field lists documented in docs/routers.md (vLLM 0.33's kv_events.py: the batch an array,
+# each event a map tagged by "type", defaults omitted), not from the module that writes our bytes.
 
 
-class VEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+class VllmEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
     events: list[Any]
     data_parallel_rank: int | None = None
 
 
-class VKVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+class VllmEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
     pass
 
 
-class VBlockStored(VKVCacheEvent, tag="BlockStored"):
-    block_hashes: list[bytes | int]
-    parent_block_hash: bytes | int | None
+class VllmBlockStored(VllmEvent, tag="BlockStored"):
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
     token_ids: list[int]
     block_size: int
     lora_id: int | None
@@ -44,34 +46,34 @@ class VBlockStored(VKVCacheEvent, tag="BlockStored"):
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
 
 
-class VBlockRemoved(VKVCacheEvent, tag="BlockRemoved"):
-    block_hashes: list[bytes | int]
+class VllmBlockRemoved(VllmEvent, tag="BlockRemoved"):
+    block_hashes: list[int | bytes]
     medium: str | None
     group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
-class VAllBlocksCleared(VKVCacheEvent, tag="AllBlocksCleared"):
+class VllmAllBlocksCleared(VllmEvent, tag="AllBlocksCleared"):
     pass
 
 
-class VKVEventBatch(VEventBatch):
-    events: list[VBlockStored | VBlockRemoved | VAllBlocksCleared]
+class VllmKVEventBatch(VllmEventBatch):
+    events: list[VllmBlockStored | VllmBlockRemoved | VllmAllBlocksCleared]
 
 
-# vLLM's current kv_events.py: the same structs without array_like, so batches and events are maps.
-class MapEventBatch(msgspec.Struct, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class MapEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+# Older vLLM releases and llm-d's indexer: the events are tagged arrays too.
+class ArrayEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
     pass
 
 
-class MapBlockStored(MapEvent, tag="BlockStored"):
+class ArrayBlockStored(ArrayEvent, tag="BlockStored"):
     block_hashes: list[int]
     parent_block_hash: int | None
     token_ids: list[int]
@@ -79,22 +81,19 @@ class MapBlockStored(MapEvent, tag="BlockStored"):
     lora_id: int | None
     medium: str | None
     lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-    group_idx: int | None = None
 
 
-class MapBlockRemoved(MapEvent, tag="BlockRemoved"):
+class ArrayBlockRemoved(ArrayEvent, tag="BlockRemoved"):
     block_hashes: list[int]
     medium: str | None
-    group_idx: int | None = None
 
 
-class MapAllBlocksCleared(MapEvent, tag="AllBlocksCleared"):
+class ArrayAllBlocksCleared(ArrayEvent, tag="AllBlocksCleared"):
     pass
 
 
-class MapKVEventBatch(MapEventBatch):
-    events: list[MapBlockStored | MapBlockRemoved | MapAllBlocksCleared]
+class ArrayKVEventBatch(VllmEventBatch):
+    events: list[ArrayBlockStored | ArrayBlockRemoved | ArrayAllBlocksCleared]
 
 
 # ---------------------------------------------------------------------- a small engine
@@ -113,6 +112,11 @@ class Engine:
     def step(self) -> list:
         """One request: a prompt extending a known one, prefilled, decoded a little, closed.
         Returns the events of the step."""
+        self.step_without_drain()
+        return self.cache.drain_events()
+
+    def step_without_drain(self) -> None:
+        """One request, its events left in the cache's backlog."""
         rng = self.rng
         base = rng.choice(self.prompts)
         prompt = base[: rng.randint(1, min(len(base), 40))] + [
@@ -124,13 +128,12 @@ class Engine:
             self.cache.allocate(seq, len(prompt) - seq.num_cached_tokens + 3)
         except OutOfPages:
             self.cache.close(seq)
-            return self.cache.drain_events()
+            return
         self.cache.commit(seq, prompt[seq.num_cached_tokens :] + [rng.randint(0, 50) for _ in range(3)])
         self.prompts.append(seq.tokens.tolist())
         self.cache.close(seq)
         if rng.random() < 0.03:
             self.cache.reset()
-        return self.cache.drain_events()
 
     def probes(self, count: int) -> list[tuple[list[int], object]]:
         rng = self.rng
@@ -150,7 +153,8 @@ def recv_all(socket: zmq.Socket, timeout_ms: int = 2000) -> list[list[bytes]]:
 
 
 def replay_request(endpoint: str, start: int) -> list[list[bytes]]:
-    """vLLM's replay protocol from the client side: everything up to and including the end marker."""
+    """vLLM's replay protocol from the client side: every message (frames after the DEALER's empty
+    delimiter included) up to and including the end marker, whose next-to-last frame is END_SEQ."""
     dealer = zmq.Context.instance().socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.connect(endpoint)
@@ -160,27 +164,53 @@ def replay_request(endpoint: str, start: int) -> list[list[bytes]]:
         assert dealer.poll(5000), "no answer from the replay service"
         frame = dealer.recv_multipart()
         frames.append(frame)
-        if frame[1] == END_SEQ:
+        if frame[-2] == END_SEQ:
             dealer.close()
             return frames
 
 
-def vllm_view(event: BlockStored | BlockRemoved | AllBlocksCleared) -> VKVCacheEvent:
-    """The event as a vLLM engine would have published it (GPU medium, no LoRA, no optional fields)."""
+def vllm_view(event: BlockStored | BlockRemoved | AllBlocksCleared) -> VllmEvent:
+    """The event as a vLLM 0.33 engine would have published it (GPU medium, no LoRA)."""
     if isinstance(event, BlockStored):
-        return VBlockStored(
+        extras = None if event.extra_keys is None else [None if e is None else (e,) for e in event.extra_keys]
+        return VllmBlockStored(
+            event.block_hashes,
+            event.parent_block_hash,
+            event.token_ids,
+            event.block_size,
+            None,
+            "GPU",
+            None,
+            extra_keys=extras,
+        )
+    if isinstance(event, BlockRemoved):
+        return VllmBlockRemoved(event.block_hashes, "GPU")
+    return VllmAllBlocksCleared()
+
+
+def array_view(event: BlockStored | BlockRemoved | AllBlocksCleared) -> ArrayEvent:
+    """The event as an older vLLM engine published it, all arrays."""
+    if isinstance(event, BlockStored):
+        return ArrayBlockStored(
             event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size, None, "GPU", None
         )
     if isinstance(event, BlockRemoved):
-        return VBlockRemoved(event.block_hashes, "GPU")
-    return VAllBlocksCleared()
+        return ArrayBlockRemoved(event.block_hashes, "GPU")
+    return ArrayAllBlocksCleared()
 
 
 class FakeReplica:
     """A replica speaking the protocol by hand: a PUB socket whose messages the test chooses (so it
-    can leave one out) and a ROUTER answering replay requests from a dict, in its own thread."""
+    can leave one out) and a ROUTER answering replay requests from a dict (the newest ``keep``
+    batches of it, all by default), in its own thread. The dict may grow while it runs."""
 
-    def __init__(self, batches: dict[int, bytes], serve_replay: bool = True) -> None:
+    def __init__(
+        self,
+        batches: dict[int, bytes],
+        serve_replay: bool = True,
+        topic: bytes = b"",
+        keep: int | None = None,
+    ) -> None:
         context = zmq.Context.instance()
         self.batches = batches
         self.pub = context.socket(zmq.PUB)
@@ -191,6 +221,8 @@ class FakeReplica:
         self.router.setsockopt(zmq.LINGER, 0)
         port = self.router.bind_to_random_port("tcp://127.0.0.1")
         self.replay_endpoint = f"tcp://127.0.0.1:{port}" if serve_replay else None
+        self.topic = topic  # a topic: vLLM 0.33's replay framing, (topic, seq, payload); None: the older one
+        self.keep = keep
         self.requests: list[int] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, daemon=True)
@@ -203,13 +235,17 @@ class FakeReplica:
             identity, _, start = self.router.recv_multipart()
             start_seq = int.from_bytes(start, "big")
             self.requests.append(start_seq)
-            for seq in sorted(self.batches):
+            head = (identity, b"") if self.topic is None else (identity, b"", self.topic)
+            batches = self.batches.copy()  # one C call: safe against the test thread adding batches
+            kept = sorted(batches)[-self.keep :] if self.keep else sorted(batches)
+            for seq in kept:
                 if seq >= start_seq:
-                    self.router.send_multipart((identity, b"", seq.to_bytes(8, "big"), self.batches[seq]))
-            self.router.send_multipart((identity, b"", END_SEQ, b""))
+                    self.router.send_multipart((*head, seq.to_bytes(8, "big"), batches[seq]))
+            end = (identity, b"") if self.topic is None else (identity, b"", b"")
+            self.router.send_multipart((*end, END_SEQ, b""))
 
     def send(self, seq: int) -> None:
-        self.pub.send_multipart((b"", seq.to_bytes(8, "big"), self.batches[seq]))
+        self.pub.send_multipart((self.topic or b"", seq.to_bytes(8, "big"), self.batches[seq]))
 
     def close(self) -> None:
         self._stop.set()
@@ -219,4 +255,5 @@ class FakeReplica:
 
 
 def vllm_payload(events: list) -> bytes:
-    return msgspec.msgpack.encode(VKVEventBatch(ts=time.time(), events=events, data_parallel_rank=0))
+    """A vLLM 0.33 batch of ``events`` (``Vllm*`` structs, or ``Array*`` ones for the older layout)."""
+    return msgspec.msgpack.encode(VllmEventBatch(ts=time.time(), events=events, data_parallel_rank=0))

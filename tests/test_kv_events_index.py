@@ -3,16 +3,24 @@ from ZMQ streams with gap recovery."""
 
 from __future__ import annotations
 
+import random
 import time
 
+import msgspec
 import numpy as np
 import pytest
+import zmq
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from test_kv_events_helpers import (
     LOOPBACK,
+    ArrayBlockRemoved,
+    ArrayBlockStored,
     Engine,
     FakeReplica,
-    VBlockRemoved,
-    VBlockStored,
+    VllmBlockRemoved,
+    VllmBlockStored,
     replay_request,
     vllm_payload,
 )
@@ -23,7 +31,7 @@ from prefix_cache.cache.prefix_cache import PrefixCache
 from prefix_cache.events.index import BlockIndex, block_hashes
 from prefix_cache.events.publisher import KVEventPublisher
 from prefix_cache.events.subscriber import KVEventSubscriber
-from prefix_cache.events.wire import BatchDecoder
+from prefix_cache.events.wire import BatchDecoder, to_wire
 
 # ---------------------------------------------------------------------- the hash and the index
 
@@ -68,10 +76,10 @@ def test_extra_keys_reach_the_index_through_the_wire() -> None:
     cache.allocate(seq, len(prompt))
     cache.commit(seq, prompt)
     cache.close(seq)
-    with KVEventPublisher(LOOPBACK, LOOPBACK, layout="map") as pub:
+    with KVEventPublisher(LOOPBACK, LOOPBACK) as pub:
         pub.publish(cache.drain_events())
         pub.flush()
-        (_, _, payload), _ = replay_request(pub.replay_endpoint, 0)
+        (_, _, _, payload), _ = replay_request(pub.replay_endpoint, 0)
     (stored,) = BatchDecoder().decode(payload)[1]
     assert stored.block_hashes == block_hashes(prompt, 4, extra_keys=image_a)
     assert stored.block_hashes[:2] == block_hashes(prompt, 4, num_pages=2)  # before the image
@@ -179,17 +187,21 @@ def test_subscriber_resyncs_when_the_replay_buffer_is_too_short() -> None:
             assert index.match(tokens, namespace) == [engine.cache.match(tokens, namespace)]
 
 
+@pytest.mark.parametrize("release", ["0.33", "older"])
 @pytest.mark.parametrize("serve_replay", [True, False])
-def test_a_lost_message_is_replayed_or_resynced(serve_replay: bool) -> None:
+def test_a_lost_message_is_replayed_or_resynced(serve_replay: bool, release: str) -> None:
+    """A vLLM replica of each kind: 0.33 (map events, replay framed (topic, seq, payload)) and an
+    older one (array events, replay framed (seq, payload))."""
     a, b = block_hashes(list(range(8)), 4), block_hashes(list(range(100, 108)), 4)
+    stored, removed = (
+        (VllmBlockStored, VllmBlockRemoved) if release == "0.33" else (ArrayBlockStored, ArrayBlockRemoved)
+    )
     batches = {
-        0: vllm_payload([VBlockStored(a, None, list(range(8)), 4, None, "GPU", None)]),
-        1: vllm_payload([VBlockRemoved([a[1]], "GPU")]),  # lost on the way
-        2: vllm_payload(
-            [VBlockStored(b, None, list(range(100, 108)), 4, None, "GPU", None, extra_keys=[None])]
-        ),
+        0: vllm_payload([stored(a, None, list(range(8)), 4, None, "GPU", None)]),
+        1: vllm_payload([removed([a[1]], "GPU")]),  # lost on the way
+        2: vllm_payload([stored(b, None, list(range(100, 108)), 4, None, "GPU", None)]),
     }
-    replica = FakeReplica(batches, serve_replay)
+    replica = FakeReplica(batches, serve_replay, topic=b"kv" if release == "0.33" else None)
     index = BlockIndex(num_replicas=1, page_size=4)
     try:
         with KVEventSubscriber(index, replay_timeout=2.0) as sub:
@@ -202,7 +214,7 @@ def test_a_lost_message_is_replayed_or_resynced(serve_replay: bool) -> None:
             counters = sub.counters(0)
     finally:
         replica.close()
-    assert counters.gaps >= 1
+    assert counters.gaps >= 1 and counters.malformed == 0
     if serve_replay:
         # Batch 1 recovered: page 2 of prompt a was removed, prompt b is cached.
         assert index.match(list(range(9))) == [4] and index.match(list(range(100, 109))) == [8]
@@ -216,9 +228,9 @@ def test_a_lost_message_is_replayed_or_resynced(serve_replay: bool) -> None:
 def test_a_payload_that_does_not_decode_resyncs_the_replica() -> None:
     a, b = block_hashes(list(range(8)), 4), block_hashes(list(range(100, 108)), 4)
     batches = {
-        0: vllm_payload([VBlockStored(a, None, list(range(8)), 4, None, "GPU", None)]),
+        0: vllm_payload([VllmBlockStored(a, None, list(range(8)), 4, None, "GPU", None)]),
         1: b"\xc1 not msgpack",
-        2: vllm_payload([VBlockStored(b, None, list(range(100, 108)), 4, None, "GPU", None)]),
+        2: vllm_payload([VllmBlockStored(b, None, list(range(100, 108)), 4, None, "GPU", None)]),
     }
     replica = FakeReplica(batches)
     index = BlockIndex(num_replicas=1, page_size=4)
@@ -236,3 +248,194 @@ def test_a_payload_that_does_not_decode_resyncs_the_replica() -> None:
         replica.close()
     assert counters.malformed == 1 and counters.resyncs >= 1
     assert index.match(list(range(9))) == [0] and index.match(list(range(100, 109))) == [8]
+
+
+# ---------------------------------------------------------------------- events in order within a batch
+
+
+def _stored(tokens: list[int], page_size: int = 4) -> BlockStored:
+    keys = block_hashes(tokens, page_size)
+    return BlockStored(keys, None, tokens[: len(keys) * page_size], page_size)
+
+
+def test_clear_then_store_in_one_batch_keeps_what_follows_the_clear() -> None:
+    a, b = list(range(12)), list(range(100, 112))
+    index = BlockIndex(num_replicas=2, page_size=4)
+    index.apply(0, [_stored(a)])
+    index.apply(1, [_stored(a)])
+    # What reset() and every overflow drain produce: a clear, then the blocks cached now.
+    index.apply(0, [AllBlocksCleared(), _stored(b)])
+    assert index.num_blocks(0) == 3 and index.match([*b, 0]) == [12, 0]
+    assert index.match([*a, 0]) == [0, 12]
+    index.apply(0, [BlockRemoved(block_hashes(b, 4)[1:])])  # removed after the clear: gone
+    assert index.match([*b, 0]) == [4, 0] and index.num_blocks(0) == 1
+    index.apply(1, [AllBlocksCleared(), _stored(a), AllBlocksCleared()])
+    assert index.match([*a, 0]) == [0, 0] and index.num_keys() == 1
+
+
+def test_index_follows_a_cache_through_overflow_drains() -> None:
+    """A cache whose event backlog overflows drains AllBlocksCleared + BlockStored for every block
+    cached: the index must end up with exactly the cache's blocks, and stay right afterwards."""
+    engine = Engine(seed=11, num_pages=60)
+    engine.cache = PrefixCache(num_pages=60, page_size=4, max_events=6)
+    index = BlockIndex(num_replicas=1, page_size=4)
+    overflows = 0
+    for step in range(120):
+        for _ in range(1 + step % 4):  # several requests per drain: the backlog overflows at times
+            engine.step_without_drain()
+        events = engine.cache.drain_events()
+        if events and type(events[0]) is AllBlocksCleared and len(events) > 1:
+            overflows += 1
+        index.apply(0, events)
+        assert index.num_blocks(0) == engine.cache.num_cached_pages
+        for tokens, namespace in engine.probes(4):
+            assert index.match(tokens, namespace) == [engine.cache.match(tokens, namespace)]
+    assert overflows > 5
+
+
+def test_match_checks_its_arguments_whatever_the_index_holds() -> None:
+    index = BlockIndex(num_replicas=2, page_size=4)
+    with pytest.raises(TypeError, match="namespace"):
+        index.match(list(range(9)), namespace=1.5)
+    with pytest.raises(ValueError, match="extra_keys"):
+        index.match(list(range(9)), extra_keys=[(5, 50, b"x")])
+    with pytest.raises(TypeError, match="extra_keys"):
+        index.match(list(range(9)), extra_keys=[(0, 4)])
+    with pytest.raises(ValueError):
+        index.match([-1, 2, 3])
+
+
+class IndexMachine(RuleBasedStateMachine):
+    """BlockIndex against a model: per replica, the set of keys its events leave it holding, the
+    events applied one at a time in order; batches mix stores, removals and clears."""
+
+    PROMPTS = (
+        [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12],
+        [1, 2, 3, 4, 5, 6, 7, 8, 20, 21, 22, 23],
+        [1, 2, 3, 4, 30, 31, 32, 33, 34, 35, 36, 37],
+        [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51],
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.index = BlockIndex(num_replicas=3, page_size=4)
+        self.model: list[set[int]] = [set(), set(), set()]
+        self.keys = [block_hashes(p, 4) for p in self.PROMPTS]
+
+    @rule(
+        replica=st.integers(0, 2),
+        batch=st.lists(
+            st.tuples(st.sampled_from(["store", "remove", "clear"]), st.integers(0, 3), st.integers(0, 2)),
+            max_size=6,
+        ),
+    )
+    def apply(self, replica: int, batch: list[tuple[str, int, int]]) -> None:
+        events = []
+        for kind, prompt, start in batch:
+            keys = self.keys[prompt]
+            if kind == "store":
+                events.append(BlockStored(keys, None, self.PROMPTS[prompt], 4))
+                self.model[replica] |= set(keys)
+            elif kind == "remove":  # a suffix of the chain: descendants go first
+                events.append(BlockRemoved(keys[start:]))
+                self.model[replica] -= set(keys[start:])
+            else:
+                events.append(AllBlocksCleared())
+                self.model[replica] = set()
+        self.index.apply(replica, events)
+
+    @rule(replica=st.integers(0, 2))
+    def clear(self, replica: int) -> None:
+        self.index.clear(replica)
+        self.model[replica] = set()
+
+    @invariant()
+    def agrees(self) -> None:
+        assert [self.index.num_blocks(r) for r in range(3)] == [len(m) for m in self.model]
+        assert self.index.num_keys() == len(set().union(*self.model))
+        for prompt, keys in zip(self.PROMPTS, self.keys, strict=True):
+            want = []
+            for held in self.model:
+                run = 0
+                while run < len(keys) and keys[run] in held:
+                    run += 1
+                want.append(4 * run)
+            assert self.index.match([*prompt, 0]) == want
+
+
+TestIndexMachine = IndexMachine.TestCase
+TestIndexMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
+def test_a_restarted_publisher_is_a_resync_not_duplicates() -> None:
+    """An engine restarted on the same ports starts again at sequence number 0 with an empty cache:
+    its batches must be applied, and the blocks from before the restart forgotten."""
+    a, b = list(range(8)), list(range(100, 108))
+    index = BlockIndex(num_replicas=1, page_size=4)
+    first = KVEventPublisher(LOOPBACK, LOOPBACK)
+    endpoints = first.endpoint, first.replay_endpoint
+    with KVEventSubscriber(index, replay_timeout=2.0) as sub:
+        sub.connect(0, *endpoints)
+        time.sleep(0.2)
+        first.publish([_stored(a)])
+        for i in range(10):
+            first.publish([BlockRemoved([i])])  # nothing held: a heartbeat
+            sub.poll(0.01)
+        sub.wait_for({0: first.next_seq})
+        first.close()
+        assert index.match([*a, 0]) == [8]
+        deadline = time.monotonic() + 10
+        while True:  # ZMQ releases a closed socket's port in its I/O thread, a moment later
+            try:
+                second = KVEventPublisher(*endpoints)
+                break
+            except zmq.ZMQError:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        with second:
+            second.publish([_stored(b)])
+            deadline = time.monotonic() + 10
+            while sub.counters(0).restarts == 0 and time.monotonic() < deadline:
+                second.publish([BlockRemoved([1])])
+                sub.poll(0.05)
+            sub.wait_for({0: second.next_seq})
+            counters = sub.counters(0)
+    assert counters.restarts == 1 and counters.malformed == 0
+    assert index.match([*b, 0]) == [8]  # the new engine's batch 0, replayed
+    assert index.match([*a, 0]) == [0]  # the old engine's blocks: gone with it
+
+
+@pytest.mark.parametrize(("seed", "keep"), [(1, None), (2, None), (3, 4), (4, 1)])
+def test_a_lossy_stream_never_shows_a_block_the_replica_does_not_hold(seed: int, keep: int | None) -> None:
+    """Live messages dropped (alone and in bursts) and sent twice at random, the replay buffer whole
+    or short: with every
+    missed batch replayable the index ends exact; with some gone it may miss blocks, never invent one."""
+    rng = random.Random(seed)
+    engine = Engine(seed=seed)
+    batches: dict[int, bytes] = {}
+    replica = FakeReplica(batches, keep=keep)
+    index = BlockIndex(num_replicas=1, page_size=4)
+    try:
+        with KVEventSubscriber(index, replay_timeout=2.0) as sub:
+            sub.connect(0, replica.endpoint, replica.replay_endpoint)
+            burst = 0
+            for seq in range(80):
+                events = engine.step()
+                batches[seq] = msgspec.msgpack.encode(to_wire(events or [AllBlocksCleared()], time.time(), 0))
+                if rng.random() < 0.04:
+                    burst = 5  # this batch and the next 4 lost: more than a short buffer keeps
+                burst -= 1
+                if burst < 0 and rng.random() < 0.8:  # else lost on the way
+                    replica.send(seq)
+                    if rng.random() < 0.1:
+                        replica.send(seq)  # twice
+                sub.poll(0.002)
+            sub.wait_for({0: len(batches)})
+            counters = sub.counters(0)
+    finally:
+        replica.close()
+    assert counters.malformed == 0 and counters.restarts == 0
+    for tokens, namespace in engine.probes(30):
+        held, cached = index.match(tokens, namespace)[0], engine.cache.match(tokens, namespace)
+        assert held == cached if counters.resyncs == 0 else held <= cached
+    assert counters.gaps > 0 and (counters.resyncs == 0 if keep is None else counters.resyncs > 0)

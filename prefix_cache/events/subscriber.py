@@ -1,9 +1,10 @@
 """``KVEventSubscriber``: feeds a :class:`BlockIndex` from the ZMQ event streams of several replicas.
 
-One SUB socket per replica reads ``(topic, seq, payload)`` messages (:mod:`prefix_cache.events.wire`).
-Sequence numbers must follow each other; on a gap the subscriber asks the replica's replay service
-(vLLM's protocol: a DEALER sends ``(b"", start_seq)`` and reads ``(b"", seq, payload)`` frames up
-to the ``END_SEQ`` marker) for the batches it missed. When they cannot be had (no replay service,
+One SUB socket per replica reads ``(topic, seq, payload)`` messages in either layout
+(:mod:`prefix_cache.events.wire`). Sequence numbers must follow each other; on a gap the subscriber
+asks the replica's replay service (vLLM's protocol: a DEALER sends ``(b"", start_seq)`` and reads
+``(b"", topic, seq, payload)`` messages, or ``(b"", seq, payload)`` from older releases, up to the
+``END_SEQ`` marker) for the batches it missed. When they cannot be had (no replay service,
 no answer within ``replay_timeout``, or the replay buffer no longer reaches back that far) it
 resynchronises: it forgets the replica's blocks and continues from the oldest batch it has (a
 payload that does not decode is handled the same way). After a
@@ -12,6 +13,14 @@ until stored again): a missed hit, never a false one.
 
 A subscriber starting late sees a gap from sequence number 0 and recovers the same way, so it can
 join a running replica whose replay buffer still holds its whole history.
+
+A publisher restarted on the same ports starts again at sequence number 0. Live messages of one
+publisher arrive in order, so a live sequence number below the last live one seen means a new
+publisher: the subscriber counts a restart, forgets the replica's blocks and follows the new stream
+from its first batch (replayed when missed). A live number from the last live one to the next
+expected is a batch already applied (from a replay, or sent twice), and is skipped. A restart whose
+first live batch seen is numbered at or above the old stream's last one looks like a gap or a
+duplicate and is not detected (vLLM's protocol carries no publisher identity).
 """
 
 from __future__ import annotations
@@ -23,14 +32,14 @@ import msgspec
 import zmq
 
 from prefix_cache.events.index import BlockIndex
-from prefix_cache.events.wire import END_SEQ, BatchDecoder
+from prefix_cache.events.wire import BatchDecoder, parse_replay
 
 
 @dataclass
 class StreamCounters:
     """What one replica's stream delivered: batches and bytes (all frames) applied, gaps seen,
     replay requests made, resyncs (state forgotten), payloads that did not decode (each one a
-    resync)."""
+    resync), publisher restarts detected (each one a resync)."""
 
     batches: int = 0
     bytes: int = 0
@@ -38,10 +47,11 @@ class StreamCounters:
     replays: int = 0
     resyncs: int = 0
     malformed: int = 0
+    restarts: int = 0
 
 
 class _Stream:
-    __slots__ = ("counters", "expected", "replay", "replay_endpoint", "replica", "sub")
+    __slots__ = ("counters", "expected", "last_live", "replay", "replay_endpoint", "replica", "sub")
 
     def __init__(self, replica: int, sub: zmq.Socket, replay_endpoint: str | None) -> None:
         self.replica = replica
@@ -49,6 +59,7 @@ class _Stream:
         self.replay_endpoint = replay_endpoint
         self.replay: zmq.Socket | None = None
         self.expected = 0
+        self.last_live = -1  # the last sequence number received live
         self.counters = StreamCounters()
 
 
@@ -159,6 +170,12 @@ class KVEventSubscriber:
         if len(frames) != 3 or len(frames[1]) != 8:
             return 0  # not an event batch
         seq = int.from_bytes(frames[1], "big")
+        if seq < stream.last_live:
+            # The sequence went back: a new publisher. Follow it from its first batch.
+            stream.counters.restarts += 1
+            self._resync(stream)
+            stream.expected = 0
+        stream.last_live = seq
         if seq < stream.expected:
             return 0  # already applied (seen in a replay)
         applied = 0
@@ -192,14 +209,15 @@ class KVEventSubscriber:
                 stream.replay = None
                 return applied
             frames = stream.replay.recv_multipart()
-            if len(frames) != 3 or frames[1] == END_SEQ:
+            parsed = parse_replay(frames)
+            if parsed is None or parsed[0] < 0:
                 return applied
-            got = int.from_bytes(frames[1], "big")
+            got, payload = parsed
             if got < stream.expected:
                 continue
             if got > stream.expected:
                 self._resync(stream)
-            self._apply(stream, got, frames[2], sum(len(f) for f in frames[1:]))
+            self._apply(stream, got, payload, sum(len(f) for f in frames[1:]))
             applied += 1
 
     def _resync(self, stream: _Stream) -> None:
