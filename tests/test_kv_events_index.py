@@ -37,7 +37,7 @@ from prefix_cache.events.wire import BatchDecoder, to_wire
 
 
 def documented_hashes(tokens: list[int], page_size: int, namespace: object) -> list[int]:
-    """The block hash as README.md documents it, written from the text alone."""
+    """The block hash as docs/events.md documents it, written from the text alone."""
     if namespace is None:
         key = xxh3_64_intdigest(b"prefix-cache:none")
     elif isinstance(namespace, str):
