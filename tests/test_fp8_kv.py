@@ -324,3 +324,143 @@ def test_cost_model_weighs_fp8_reads_at_half_the_bytes() -> None:
     assert fp8.time_us(reads) - fp8.time_us(none) == pytest.approx(
         (bf16.time_us(reads) - bf16.time_us(none)) / 2
     )
+
+
+# ----------------------------------------------------------------------------------------------
+# On the GPU, at real sizes
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_append_kv_quantizes_bit_for_bit() -> None:
+    """The kernel's fp8 bits on the GPU equal ``quantize_fp8`` on the CPU: 4096 bf16 tokens of Llama
+    shapes into a shuffled pool, and the hard values (midpoints, saturation, subnormals)."""
+    from prefix_cache.kernels import append_kv
+
+    generator = torch.Generator().manual_seed(0)
+    heads, dim, page_size = 8, 128, 16
+    hard = _hard_values().to(torch.bfloat16).float()
+    n = 4096
+    k = torch.randn(n, heads, dim, generator=generator) * torch.logspace(-5, 3, n)[:, None, None]
+    k.view(-1)[: hard.numel()] = hard
+    k = k.to(torch.bfloat16)
+    v = (torch.randn(n, heads, dim, generator=generator) * 3).to(torch.bfloat16)
+    slots = torch.randperm(2 * n, generator=generator)[:n]
+    pool = torch.zeros(2 * n // page_size, 2, page_size, heads, dim, dtype=FP8_KV_DTYPE, device="cuda")
+    append_kv(pool, k.cuda(), v.cuda(), slots.cuda(), k_scale=K_SCALE, v_scale=V_SCALE)
+    stored = pool.cpu()[slots // page_size, :, slots % page_size]  # [n, 2, heads, dim]
+    for i, (x, scale) in enumerate(((k, K_SCALE), (v, V_SCALE))):
+        assert torch.equal(stored[:, i].view(torch.uint8), quantize_fp8(x, scale).view(torch.uint8))
+
+
+def _gpu_pool(num_pages, page_size, hkv, d, seed):
+    generator = torch.Generator().manual_seed(seed)
+    return _random_fp8_pool(num_pages, page_size, hkv, d, generator, device="cuda")
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("q_lens", "kv_lens", "causal"),
+    [
+        ([1] * 64, [2048] * 64, True),  # decode
+        ([512, 300], [4096, 300], True),  # prefill chunks
+        ([64], [20000], False),  # a shared level: one group of many rows, split KV
+        ([1, 1], [20000, 9000], True),  # long decodes: split KV
+    ],
+    ids=["decode", "prefill", "shared", "long-decode"],
+)
+def test_gpu_level_attention_reads_fp8(q_lens, kv_lens, causal) -> None:
+    """Llama-3-8B heads (32/8, d128), bf16 q, an fp8 pool: output and LSE against the float64
+    reference on the dequantized pool."""
+    hq, hkv, d, page_size = 32, 8, 128, 16
+    pool, deq = _gpu_pool(sum(-(-n // page_size) for n in kv_lens) + 8, page_size, hkv, d, 1)
+    q = torch.randn(sum(q_lens), hq, d, generator=torch.Generator().manual_seed(2)).to("cuda", torch.bfloat16)
+    _check_level(q, pool, deq.cpu(), q_lens, kv_lens, page_size, causal, None, atol=1.6e-2)
+
+
+def _gpu_batch(kind: str, rng: np.random.Generator, num_pages: int, page_size: int):
+    free = list(rng.permutation(num_pages))
+    if kind in ("shared", "wide"):  # 1024 shared tokens under 4-8 or 40 decodes
+        shared = [free.pop() for _ in range(64)]
+        n = int(rng.integers(4, 9)) if kind == "shared" else 40
+        tables = [np.array([*shared, free.pop(), free.pop()]) for _ in range(n)]
+        kv_lens = [1024 + int(rng.integers(1, 2 * page_size + 1)) for _ in range(n)]
+        return tables, kv_lens, [1] * n
+    n = {"decode": (3, 8), "many": (12, 25), "prefill": (1, 3)}[kind]
+    n = int(rng.integers(*n))
+    qo_lens = [int(rng.integers(16, 24)) for _ in range(n)] if kind == "prefill" else [1] * n
+    kv_lens = [int(rng.integers(qo + 100, 1500)) for qo in qo_lens]
+    tables = [np.array([free.pop() for _ in range(-(-kv // page_size))]) for kv in kv_lens]
+    return tables, kv_lens, qo_lens
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["triton", "auto", "flashinfer"])
+def test_gpu_backends_read_fp8(name: str) -> None:
+    """Every backend, eager, over an fp8 pool: decodes, prefill chunks, cascades with a shared level
+    (FlashInfer runs those level by level with the scales), against the float64 reference on the
+    dequantized pool."""
+    if name == "flashinfer":
+        pytest.importorskip("flashinfer")
+    hq, hkv, d, page_size, num_pages = 32, 8, 128, 16, 1200
+    pool, deq = _gpu_pool(num_pages, page_size, hkv, d, 3)
+    backend = create_backend(name, device="cuda")
+    planner = CascadePlanner(min_shared_tokens=256, min_saved_tokens=0)
+    rng = np.random.default_rng(4)
+    generator = torch.Generator().manual_seed(4)
+    heads = dict(num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, q_dtype=torch.bfloat16, kv_dtype=FP8_KV_DTYPE)
+    for kind in ("decode", "prefill", "shared", "many", "wide"):
+        tables, kv_lens, qo_lens = _gpu_batch(kind, rng, num_pages, page_size)
+        plan = planner.plan(tables, kv_lens, qo_lens, page_size)
+        backend.plan(plan, **heads)
+        q = torch.randn(sum(qo_lens), hq, d, generator=generator).to("cuda", torch.bfloat16)
+        out = torch.full_like(q, float("nan"))
+        backend.run(q, pool, out=out, k_scale=K_SCALE, v_scale=V_SCALE)
+        expected = reference_attention(q, deq, tables, kv_lens, qo_lens, d**-0.5)
+        assert out.isfinite().all(), kind
+        atol = 1.6e-2 * float(expected.abs().max())
+        torch.testing.assert_close(out.double(), expected, atol=atol, rtol=0, msg=f"{name} {kind}")
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["triton", "auto"])
+def test_gpu_fp8_plans_replay_from_cuda_graphs(name: str) -> None:
+    """Fixed-capacity backends over an fp8 pool: each graph key's launches captured once (scales
+    included) and replayed after later plans of other sizes, against the reference; the auto
+    backend's fp8 plans never take FA3 (no ``flashinfer-prefill`` or ``triton+fa3`` key)."""
+    from prefix_cache.attention.triton_backend import GraphCapacity
+
+    hq, hkv, d, page_size, num_pages = 32, 8, 128, 16, 1200
+    pool, deq = _gpu_pool(num_pages, page_size, hkv, d, 6)
+    capacity = GraphCapacity(max_query_tokens=64, max_pages=800, max_levels=2)
+    backend = create_backend(name, device="cuda", capacity=capacity)
+    planner = CascadePlanner(min_shared_tokens=256, min_saved_tokens=0)
+    heads = dict(num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, q_dtype=torch.bfloat16, kv_dtype=FP8_KV_DTYPE)
+    rng = np.random.default_rng(7)
+    generator = torch.Generator().manual_seed(7)
+    q = torch.zeros(capacity.max_query_tokens, hq, d, dtype=torch.bfloat16, device="cuda")
+    out = torch.zeros_like(q)
+    graphs: dict[str, torch.cuda.CUDAGraph] = {}
+    for kind in ["decode", "prefill", "shared", "many", "wide"] * 2:
+        tables, kv_lens, qo_lens = _gpu_batch(kind, rng, num_pages, page_size)
+        plan = planner.plan(tables, kv_lens, qo_lens, page_size)
+        backend.plan(plan, **heads)
+        key = backend.graph_key
+        assert key not in ("flashinfer-prefill", "triton+fa3"), key
+        nq = plan.num_query_tokens
+        q[:nq] = torch.randn(nq, hq, d, generator=generator).to("cuda", torch.bfloat16)
+        if key not in graphs:
+            backend.run(q, pool, out=out, k_scale=K_SCALE, v_scale=V_SCALE)  # compiles outside the capture
+            torch.cuda.synchronize()
+            graphs[key] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graphs[key]):
+                backend.run(q, pool, out=out, k_scale=K_SCALE, v_scale=V_SCALE)
+        out.fill_(float("nan"))
+        graphs[key].replay()
+        expected = reference_attention(q[:nq], deq, tables, kv_lens, qo_lens, d**-0.5)
+        assert out[:nq].isfinite().all(), key
+        atol = 1.6e-2 * float(expected.abs().max())
+        torch.testing.assert_close(out[:nq].double(), expected, atol=atol, rtol=0, msg=f"{name} {key} {kind}")
