@@ -273,7 +273,7 @@ def test_prefill_cascade_with_an_fa3_level_takes_the_triton_route() -> None:
         fa3 = SharedLevelsOnFlashInfer(flashinfer_stand_in, torch.device(device), rule)
         backend._triton._shared_levels = fa3
         backend.num_qo_heads, backend.num_kv_heads, backend.head_dim = hq, hkv, d
-        backend.dtype = torch.float16
+        backend.dtype = backend.kv_dtype = torch.float16
         assert backend._fa3_takes_a_level(plan) == (route == "triton+fa3")
         if route == "flashinfer":
             continue  # FlashInfer's cascade wrapper has no stand-in
