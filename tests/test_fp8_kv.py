@@ -311,6 +311,41 @@ def test_flashinfer_graph_decode_passes_fp8_and_its_scales() -> None:
         graphs.plan("prefill", plan.levels[0], page_size, heads, dtypes)
 
 
+def test_auto_backend_keeps_fp8_shared_levels_off_fa3() -> None:
+    """On the Triton route, a shared level that FA3 takes at fp16 (a stand-in FlashInfer on CPU)
+    stays on our kernels over an fp8 pool (FA3 takes fp8 KV only beside an fp8 q), and the plan
+    matches the reference."""
+    pytest.importorskip("triton")
+    import flashinfer_stand_in
+
+    from prefix_cache.attention.auto_backend import Routing
+    from prefix_cache.attention.flashinfer_levels import LevelRule, SharedLevelsOnFlashInfer
+
+    page, hq, hkv, d = 4, 4, 2, 64
+    generator = torch.Generator().manual_seed(12)
+    pool, deq = _random_fp8_pool(40, page, hkv, d, generator)
+    tables = [np.r_[np.arange(9), 20 + 3 * r, 21 + 3 * r, 22 + 3 * r] for r in range(3)]  # 36 shared tokens
+    kv_lens, qo_lens = [38, 45, 39], [1, 8, 2]
+    plan = CascadePlanner(min_shared_tokens=1, min_saved_tokens=0).plan(tables, kv_lens, qo_lens, page)
+    rule = LevelRule(min_rows=4, min_kv_tokens=12, min_work=1, min_split_tokens=8)
+    routes = {}
+    for kv_dtype in (torch.float16, FP8_KV_DTYPE):
+        backend = create_backend("auto", device=DEVICE, routing=Routing(prefill_min_tokens=10**6))
+        backend._fi_module = flashinfer_stand_in  # FlashInfer is only looked for on CUDA
+        backend._triton._shared_levels = SharedLevelsOnFlashInfer(
+            flashinfer_stand_in, torch.device(DEVICE), rule
+        )
+        backend.plan(
+            plan, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, q_dtype=torch.float16, kv_dtype=kv_dtype
+        )
+        routes[kv_dtype] = backend.route
+    assert routes == {torch.float16: "triton+fa3", FP8_KV_DTYPE: "triton"}
+    q = torch.randn(sum(qo_lens), hq, d, generator=generator).half().to(DEVICE)
+    out = backend.run(q, pool, k_scale=K_SCALE, v_scale=V_SCALE)
+    expected = reference_attention(q.cpu(), deq.cpu(), tables, kv_lens, qo_lens, d**-0.5)
+    torch.testing.assert_close(out.cpu().double(), expected, atol=3e-3 * expected.abs().max().item(), rtol=0)
+
+
 def test_cost_model_weighs_fp8_reads_at_half_the_bytes() -> None:
     """The time of reading KV halves at fp8; the rest of the estimate is unchanged."""
     from prefix_cache.planner.cost_model import PlanFeatures
