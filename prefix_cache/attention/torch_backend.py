@@ -28,7 +28,14 @@ class TorchBackend(AttentionBackend):
         self._query_order = torch.from_numpy(plan.query_order).to(self._device)
 
     def _run(
-        self, plan: CascadePlan, q, kv_cache, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, scales
+        self,
+        plan: CascadePlan,
+        q,
+        kv_cache,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        scales: tuple[float, float] = (1.0, 1.0),
     ) -> None:
         query_order = self._query_order.to(q.device)
         q_planned = to_planned_order(q, query_order).float()
