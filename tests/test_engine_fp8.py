@@ -65,3 +65,40 @@ def test_fp8_pool_agrees_with_fp32_within_what_was_measured() -> None:
     print(f"fp8 KV vs fp32 KV: top-1 agreement {agree}/{total}, largest logit difference {largest:.3f}")
     assert agree / total >= MIN_AGREEMENT
     assert 0.0 < largest <= MAX_LOGIT_DIFF  # 0 would mean the pool was not fp8 at all
+
+
+def test_engine_config_names_its_kv_cache_dtypes() -> None:
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8"):
+        EngineConfig(kv_cache_dtype="int8")
+    model, _ = smollm2()
+    with pytest.raises(ValueError, match="a KV pool holds the model's dtype"):
+        model.new_kv_pool(4, 16, torch.float16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_fp8_engine_replays_decodes_from_cuda_graphs() -> None:
+    """An fp8 engine (per-layer scales other than 1, the KV written by ``append_kv``) gives the same
+    greedy tokens with its decode steps replayed from CUDA graphs as eagerly (a float32 model, as in
+    ``test_engine_cuda_graphs``: argmax ties between the two paths stay unlikely)."""
+    import dataclasses
+
+    from test_engine_cuda_graphs import assert_same_outputs, generate
+
+    from examples.engine import LLAMA_1B, LlamaModel, SamplingParams
+
+    model = LlamaModel.dummy(dataclasses.replace(LLAMA_1B, num_layers=2), "cuda", torch.float32, seed=3)
+    model.kv_scales = [(0.05, 0.02), (0.03, 0.04)]
+    rng = np.random.default_rng(0)
+    system = rng.integers(0, model.config.vocab_size, 200)
+    prompts = [
+        (
+            np.concatenate([system, rng.integers(0, model.config.vocab_size, 20 + 7 * i)]),
+            SamplingParams(max_tokens=6),
+        )
+        for i in range(5)
+    ]
+    expected, _, _ = generate(model, [prompts], graphs=False, kv_cache_dtype="fp8")
+    got, engine, graph_steps = generate(model, [prompts], graphs=True, kv_cache_dtype="fp8")
+    assert engine.kv_pool[0].dtype == FP8_KV_DTYPE and graph_steps[-1] > 0
+    assert_same_outputs(got, expected)
