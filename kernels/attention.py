@@ -14,7 +14,10 @@ writes into the same buffers. Long KV segments with few programs are split acros
 
 K and V are addressed through strides, so any layout whose last axis (head_dim) is contiguous works:
 FlashInfer's ``[pages, 2, page_size, H, D]``, vLLM's ``[2, pages, page_size, H, D]``, separate K and V
-tensors, or HND views (see ``prefix_cache.attention.kv_layout``).
+tensors, or HND views (see ``prefix_cache.attention.kv_layout``). They may be fp8 (e4m3, with a K
+and a V scale per layer): each tile is converted to q's dtype in registers after its load (exact),
+the K scale folded into the softmax scale and the V scale into the output's normalisation, so an fp8
+cache reads half the bytes and changes nothing else.
 
 Host side for one level: ``plan_level`` builds its work list once per batch, ``launch_level`` runs
 it per layer, ``level_attention`` does both and the merge, for one-off calls. The triton backend
