@@ -70,7 +70,15 @@ def test_fp8_pool_agrees_with_fp32_within_what_was_measured() -> None:
 def test_engine_config_names_its_kv_cache_dtypes() -> None:
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8"):
         EngineConfig(kv_cache_dtype="int8")
-    model, _ = smollm2()
+    import dataclasses
+
+    from examples.engine import LLAMA_1B, LlamaModel
+
+    config = dataclasses.replace(
+        LLAMA_1B, num_layers=1, hidden_size=64, intermediate_size=128, vocab_size=300
+    )
+    model = LlamaModel.dummy(dataclasses.replace(config, head_dim=16), "cpu", torch.float32)
+    assert model.new_kv_pool(4, 16, FP8_KV_DTYPE)[0].dtype == FP8_KV_DTYPE
     with pytest.raises(ValueError, match="a KV pool holds the model's dtype"):
         model.new_kv_pool(4, 16, torch.float16)
 
