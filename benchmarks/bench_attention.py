@@ -30,8 +30,16 @@ a host time up to the flush's own GPU time (the same inputs every layer, so a sm
 in L2; arms slower than 2 ms eager are not run this way). The bound is max(distinct KV bytes /
 measured copy bandwidth, attention FLOPs / measured bf16 matrix rate).
 
-Usage: ``python benchmarks/bench_attention.py [--peers DIR] [--out DIR] [--cases SUBSTRING ...]``;
-``--smoke`` runs two tiny cases on the CPU (Triton's interpreter) to check the script itself.
+With ``--kv-dtypes bf16,fp8`` every case also runs over an fp8 (e4m3) copy of its KV cache, each
+layer's K and V with a scale (``prefix_cache.attention.kv_layout.quantize_fp8``): our arms and
+FlashInfer's planned with ``kv_dtype`` fp8 and run with the scales (peers are bf16 only), checked
+against the reference on the dequantized cache; such a case's row is named ``... [fp8 KV]``, and a
+table sets each fp8 row beside its bf16 row (ours bf16 / ours fp8; ours fp8 / FlashInfer's best
+fp8 arm).
+
+Usage: ``python benchmarks/bench_attention.py [--peers DIR] [--out DIR] [--cases SUBSTRING ...]
+[--kv-dtypes bf16,fp8]``; ``--smoke`` runs two tiny cases on the CPU (Triton's interpreter) to
+check the script itself.
 """
 
 from __future__ import annotations
@@ -55,9 +63,11 @@ import torch
 
 from prefix_cache import CascadePlanner
 from prefix_cache.attention import create_backend
+from prefix_cache.attention.kv_layout import FP8_KV_DTYPE, quantize_fp8
 from prefix_cache.attention.triton_backend import GraphCapacity
 
 MAX_REL_ERR = 2e-2
+FP8_SUFFIX = " [fp8 KV]"
 
 
 @dataclass(frozen=True)
@@ -165,13 +175,15 @@ def reference(q, kv_cache, tables, kv_lens, qo_lens, sm_scale) -> torch.Tensor:
     return out
 
 
-def work_of(case: Case, tables, kv_lens, qo_lens, dtype) -> tuple[float, float]:
-    """(distinct KV bytes + q and out bytes, attention FLOPs with the causal mask)."""
+def work_of(case: Case, tables, kv_lens, qo_lens, dtype, kv_dtype=None) -> tuple[float, float]:
+    """(distinct KV bytes + q and out bytes, attention FLOPs with the causal mask); the KV of
+    ``kv_dtype`` (default q's ``dtype``)."""
     distinct = len(
         {int(p) for t, n in zip(tables, kv_lens.tolist(), strict=True) for p in t[: -(-n // case.page_size)]}
     )
     elem = torch.finfo(dtype).bits // 8
-    kv_bytes = distinct * case.page_size * 2 * case.hkv * case.d * elem
+    kv_elem = torch.finfo(kv_dtype or dtype).bits // 8
+    kv_bytes = distinct * case.page_size * 2 * case.hkv * case.d * kv_elem
     q_bytes = 2 * int(qo_lens.sum()) * case.hq * case.d * elem
     pairs = sum(q * kv - q * (q - 1) / 2 for q, kv in zip(qo_lens.tolist(), kv_lens.tolist(), strict=True))
     return kv_bytes + q_bytes, 4.0 * pairs * case.hq * case.d
@@ -266,16 +278,19 @@ class Arm:
     graph_run: Callable[[], torch.Tensor] | None = None
 
 
-def our_arms(case, tables, kv_lens, qo_lens, q, kv_cache, cuda, dtype) -> list[Arm]:
+def our_arms(case, tables, kv_lens, qo_lens, q, kv_cache, cuda, dtype, scales: dict) -> list[Arm]:
+    """Our arms; ``scales``: the ``k_scale`` / ``v_scale`` of an fp8 ``kv_cache`` (else empty)."""
     device = q.device
-    heads = dict(num_qo_heads=case.hq, num_kv_heads=case.hkv, head_dim=case.d, q_dtype=dtype)
+    heads = dict(
+        num_qo_heads=case.hq, num_kv_heads=case.hkv, head_dim=case.d, q_dtype=dtype, kv_dtype=kv_cache.dtype
+    )
     arms = []
     plan = CascadePlanner().plan(tables, kv_lens, qo_lens, case.page_size)
     auto = create_backend("auto", device=device)
     auto.plan(plan, **heads)
     out_auto = torch.empty_like(q)
     # Its graph time is a capture with this plan fixed ("ours graph" replays across plans).
-    arms.append(Arm("ours", lambda: auto.run(q, kv_cache, out=out_auto), host=True,
+    arms.append(Arm("ours", lambda: auto.run(q, kv_cache, out=out_auto, **scales), host=True,
                     note=f"{len(plan.levels)} levels, route {auto.route}"))  # fmt: skip
 
     def fixed_backend(p):
@@ -288,7 +303,7 @@ def our_arms(case, tables, kv_lens, qo_lens, q, kv_cache, cuda, dtype) -> list[A
     if cuda:
         fixed = fixed_backend(plan)
         out_fixed = torch.empty_like(q)
-        arms.append(Arm("ours graph", lambda: fixed.run(q, kv_cache, out=out_fixed),
+        arms.append(Arm("ours graph", lambda: fixed.run(q, kv_cache, out=out_fixed, **scales),
                         note=f"fixed capacity, graph key {fixed.graph_key}"))  # fmt: skip
     thresholds_only = CascadePlanner(**({"cost_model": None} if _has_cost_model() else {}))
     for name, p in (
@@ -299,8 +314,8 @@ def our_arms(case, tables, kv_lens, qo_lens, q, kv_cache, cuda, dtype) -> list[A
         backend = create_backend("triton", device=device)
         backend.plan(p, **heads)
         buf = torch.empty_like(q)
-        arms.append(Arm(name, lambda b=backend, o=buf: b.run(q, kv_cache, out=o), host=name == "triton",
-                        note=f"{len(p.levels)} levels"))  # fmt: skip
+        arms.append(Arm(name, lambda b=backend, o=buf: b.run(q, kv_cache, out=o, **scales),
+                        host=name == "triton", note=f"{len(p.levels)} levels"))  # fmt: skip
     return arms
 
 
@@ -318,10 +333,14 @@ def paged_inputs(tables, kv_lens, page_size: int) -> tuple[torch.Tensor, torch.T
     return indptr, indices, torch.tensor(lens, dtype=torch.int32)
 
 
-def flashinfer_arms(case, tables, kv_lens, qo_lens, q, kv_cache, dtype, skipped: dict) -> list[Arm]:
-    """FlashInfer's arms. A wrapper that cannot be built or planned for this batch (an unsupported
-    group size, say) is reported in ``skipped`` under its arm's name; the other arms still run. A
-    CUDA-graph wrapper that fails leaves its arm without a graph time (the error is recorded there)."""
+def flashinfer_arms(
+    case, tables, kv_lens, qo_lens, q, kv_cache, dtype, skipped: dict, scales: dict
+) -> list[Arm]:
+    """FlashInfer's arms (over an fp8 ``kv_cache`` planned with ``kv_data_type`` fp8 and run with
+    ``scales``, its ``k_scale`` and ``v_scale``). A wrapper that cannot be built or planned for this
+    batch (an unsupported group size, say) is reported in ``skipped`` under its arm's name; the
+    other arms still run. A CUDA-graph wrapper that fails leaves its arm without a graph time (the
+    error is recorded there)."""
     try:
         import flashinfer
     except ImportError:
@@ -332,7 +351,7 @@ def flashinfer_arms(case, tables, kv_lens, qo_lens, q, kv_cache, dtype, skipped:
     indptr, indices, last = paged_inputs(tables, kv_lens, ps)
     qo_indptr = torch.tensor(np.concatenate([[0], np.cumsum(qo_lens)]), dtype=torch.int32)
     heads = (case.hq, case.hkv, case.d, ps)
-    planned = dict(sm_scale=case.d**-0.5, q_data_type=dtype, kv_data_type=dtype)
+    planned = dict(sm_scale=case.d**-0.5, q_data_type=dtype, kv_data_type=kv_cache.dtype)
 
     def workspace():
         return torch.zeros(256 * 1024 * 1024, dtype=torch.uint8, device=device)
@@ -350,7 +369,7 @@ def flashinfer_arms(case, tables, kv_lens, qo_lens, q, kv_cache, dtype, skipped:
             workspace(), "NHD", use_tensor_cores=tc, use_cuda_graph=graph, **buffers
         )
         w.plan(indptr.to(device), indices.to(device), last.to(device), *heads, **planned)
-        return lambda: w.run(q, kv_cache)
+        return lambda: w.run(q, kv_cache, **scales)
 
     def prefill(graph: bool) -> Callable[[], torch.Tensor]:
         buffers = graph_buffers("_buf", qo=True) if graph else {}
@@ -358,13 +377,14 @@ def flashinfer_arms(case, tables, kv_lens, qo_lens, q, kv_cache, dtype, skipped:
             workspace(), "NHD", use_cuda_graph=graph, **buffers
         )
         w.plan(qo_indptr, indptr, indices, last, *heads, causal=True, **planned)
-        return lambda: w.run(q, kv_cache)
+        return lambda: w.run(q, kv_cache, **scales)
 
     def cascade() -> Callable[[], torch.Tensor]:
         fi = create_backend("flashinfer", device=device)
-        fi.plan(plan, num_qo_heads=case.hq, num_kv_heads=case.hkv, head_dim=case.d, q_dtype=dtype)
+        fi.plan(plan, num_qo_heads=case.hq, num_kv_heads=case.hkv, head_dim=case.d, q_dtype=dtype,
+                kv_dtype=kv_cache.dtype)  # fmt: skip
         buf = torch.empty_like(q)
-        return lambda: fi.run(q, kv_cache, out=buf)
+        return lambda: fi.run(q, kv_cache, out=buf, **scales)
 
     def add(name: str, make: Callable[[bool], Callable[[], torch.Tensor]], graph_wrapper: bool) -> None:
         try:
@@ -437,7 +457,24 @@ def load_peers(path: str | None):
 # One case
 
 
-def bench_case(case: Case, peers, cuda: bool, dtype, ceilings, flashinfer_head_dims=(64, 128)) -> dict:
+def fp8_copy(kv_cache: torch.Tensor) -> tuple[torch.Tensor, dict, torch.Tensor]:
+    """(an fp8 copy of ``kv_cache``, its scales as ``run`` keywords, its dequantized float32 copy for
+    the reference). K and V each get the scale that maps their largest magnitude to half of e4m3's
+    range, as a calibrated checkpoint's would."""
+    fp8 = torch.empty(kv_cache.shape, dtype=FP8_KV_DTYPE, device=kv_cache.device)
+    scales, deq = {}, torch.empty(kv_cache.shape, dtype=torch.float32, device=kv_cache.device)
+    for i, name in enumerate(("k_scale", "v_scale")):
+        scale = float(kv_cache[:, i].abs().max()) / 224
+        fp8[:, i] = quantize_fp8(kv_cache[:, i], scale)
+        deq[:, i] = fp8[:, i].float() * scale
+        scales[name] = scale
+    return fp8, scales, deq
+
+
+def bench_case(
+    case: Case, peers, cuda: bool, dtype, ceilings, flashinfer_head_dims=(64, 128), kv_dtype=None
+) -> dict:
+    """One case's row; ``kv_dtype`` ``FP8_KV_DTYPE`` runs it over an fp8 copy of the KV (``fp8_copy``)."""
     device = "cuda" if cuda else "cpu"
     tables, kv_lens, qo_lens, num_pages = build_batch(case)
     gen = torch.Generator(device=device).manual_seed(1)
@@ -445,18 +482,27 @@ def bench_case(case: Case, peers, cuda: bool, dtype, ceilings, flashinfer_head_d
         dtype
     )
     q = torch.randn(int(qo_lens.sum()), case.hq, case.d, generator=gen, device=device).to(dtype)
-    ref = reference(q, kv_cache, tables, kv_lens, qo_lens, case.d**-0.5)
+    fp8 = kv_dtype == FP8_KV_DTYPE
+    scales: dict = {}
+    if fp8:
+        kv_cache, scales, deq = fp8_copy(kv_cache)
+        ref = reference(q, deq, tables, kv_lens, qo_lens, case.d**-0.5)
+        del deq
+    else:
+        ref = reference(q, kv_cache, tables, kv_lens, qo_lens, case.d**-0.5)
     ref_scale = float(ref.abs().max())
 
-    arms = our_arms(case, tables, kv_lens, qo_lens, q, kv_cache, cuda, dtype)
+    arms = our_arms(case, tables, kv_lens, qo_lens, q, kv_cache, cuda, dtype, scales)
     skipped = {}
     if cuda and case.d not in flashinfer_head_dims:
         skipped["flashinfer"] = (
             f"head_dim {case.d} not in --flashinfer-head-dims (its JIT build takes minutes)"
         )
     elif cuda:
-        arms += flashinfer_arms(case, tables, kv_lens, qo_lens, q, kv_cache, dtype, skipped)
-    if cuda:
+        arms += flashinfer_arms(case, tables, kv_lens, qo_lens, q, kv_cache, dtype, skipped, scales)
+    if cuda and fp8:
+        skipped["peers"] = "bf16 KV only"
+    elif cuda:
         try:
             peer, peer_skipped = peer_arms(peers, case, tables, kv_lens, qo_lens, q, kv_cache)
             arms += peer
@@ -465,7 +511,10 @@ def bench_case(case: Case, peers, cuda: bool, dtype, ceilings, flashinfer_head_d
             skipped["peers"] = f"{type(error).__name__}: {error}"[:300]
 
     results = {arm.name: measure(arm, ref, ref_scale, cuda) for arm in arms}
-    return summarise(case, results, skipped, tables, kv_lens, qo_lens, dtype, ceilings)
+    row = summarise(case, results, skipped, tables, kv_lens, qo_lens, dtype, ceilings, kv_cache.dtype)
+    if fp8:
+        row["case"] += FP8_SUFFIX
+    return row
 
 
 def measure(arm: Arm, ref: torch.Tensor, ref_scale: float, cuda: bool) -> dict:
@@ -515,8 +564,8 @@ def measure(arm: Arm, ref: torch.Tensor, ref_scale: float, cuda: bool) -> dict:
     return entry
 
 
-def summarise(case, results, skipped, tables, kv_lens, qo_lens, dtype, ceilings) -> dict:
-    bytes_, flops = work_of(case, tables, kv_lens, qo_lens, dtype)
+def summarise(case, results, skipped, tables, kv_lens, qo_lens, dtype, ceilings, kv_dtype=None) -> dict:
+    bytes_, flops = work_of(case, tables, kv_lens, qo_lens, dtype, kv_dtype)
     bandwidth, matmul = ceilings
     bound_ms = max(bytes_ / bandwidth, flops / matmul) * 1e3 if bandwidth else None
     row = {
@@ -647,6 +696,37 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def fp8_markdown(rows: list[dict]) -> str:
+    """Each fp8 row beside the bf16 row of its case: our times at bf16 / at fp8 (eager, graph: above
+    1, fp8 is faster), and ours at fp8 / FlashInfer's best fp8 arm (eager, graph; ours vs its best
+    capture of any kind). Empty without fp8 rows."""
+    by_name = {r["case"]: r for r in rows}
+    lines = [
+        "| case | ours bf16 / ours fp8 (eager, graph) | ours fp8 / best FlashInfer fp8 (eager, graph, "
+        "graph vs any capture) | ours fp8 eager, graph ms | best FlashInfer fp8 eager, graph ms |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if not r["case"].endswith(FP8_SUFFIX):
+            continue
+        base = by_name.get(r["case"].removesuffix(FP8_SUFFIX), {})
+
+        def ratio(a, b):
+            return a / b if a and b else None
+
+        name = r["case"].removesuffix(FP8_SUFFIX)
+        lines.append(
+            f"| {name} | {_f(ratio(base.get('ours_ms'), r['ours_ms']), '{:.2f}')}, "
+            f"{_f(ratio(base.get('ours_graph_ms'), r['ours_graph_ms']), '{:.2f}')} | "
+            f"{_f(ratio(r['ours_ms'], r['best_flashinfer_ms']), '{:.2f}')}, "
+            f"{_f(ratio(r['ours_graph_ms'], r['best_flashinfer_graph_ms']), '{:.2f}')}, "
+            f"{_f(ratio(r['ours_graph_ms'], r.get('best_flashinfer_fixed_plan_graph_ms')), '{:.2f}')} | "
+            f"{_f(r['ours_ms'])}, {_f(r['ours_graph_ms'])} | "
+            f"{_f(r['best_flashinfer_ms'])}, {_f(r['best_flashinfer_graph_ms'])} |"
+        )
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def arms_markdown(rows: list[dict]) -> str:
     lines = [
         "| case | arm | eager ms | graph ms | fixed-plan graph ms | host µs | µs per layer | rel. error "
@@ -698,7 +778,9 @@ def write_results(rows: list[dict], meta: dict, out: Path, stem: str) -> None:
     for row in rows:
         row.update(gpu=meta["gpu"], date=meta["date"])
     (out / f"{stem}.json").write_text(json.dumps(rows, indent=1))
-    (out / f"{stem}.md").write_text(f"{json.dumps(meta)}\n\n{markdown(rows)}\n\n{arms_markdown(rows)}\n")
+    fp8 = fp8_markdown(rows)
+    fp8 = f"{fp8}\n\n" if fp8 else ""
+    (out / f"{stem}.md").write_text(f"{json.dumps(meta)}\n\n{markdown(rows)}\n\n{fp8}{arms_markdown(rows)}\n")
     with contextlib.suppress(ImportError):
         plot(rows, out / f"{stem}.png")
 
@@ -736,6 +818,8 @@ def main() -> None:
     parser.add_argument(
         "--flashinfer-head-dims", default="64,128", help="head dims to run FlashInfer's arms for (JIT builds)"
     )
+    parser.add_argument("--kv-dtypes", default="bf16", help="comma-separated KV dtypes per case: bf16, fp8")
+    parser.add_argument("--stem", help="output file stem (default attention_h200, or attention_smoke)")
     args = parser.parse_args()
     if args.from_json:
         rebuild(Path(args.from_json), Path(args.out))
@@ -744,6 +828,10 @@ def main() -> None:
     if not cuda and not args.smoke:
         raise SystemExit("bench_attention.py needs CUDA (or --smoke)")
     dtype = torch.bfloat16 if cuda else torch.float32
+    kv_dtypes = {"bf16": None, "fp8": FP8_KV_DTYPE}
+    wanted = args.kv_dtypes.split(",")
+    if not wanted or any(name not in kv_dtypes for name in wanted):
+        raise SystemExit(f"--kv-dtypes takes a comma-separated list of {', '.join(kv_dtypes)}")
     cases = [c for c in (CASES if cuda else SMOKE_CASES) if any(s in c.name for s in args.cases)]
     peers = load_peers(args.peers) if cuda else None
     ceilings = measure_ceilings() if cuda else (0.0, 0.0)
@@ -767,17 +855,20 @@ def main() -> None:
     }
     print(json.dumps(meta))
     rows = []
+    stem = args.stem or ("attention_h200" if cuda else "attention_smoke")
+    head_dims = tuple(int(x) for x in args.flashinfer_head_dims.split(","))
     for case in cases:
-        t0 = time.perf_counter()
-        head_dims = tuple(int(x) for x in args.flashinfer_head_dims.split(","))
-        rows.append(bench_case(case, peers, cuda, dtype, ceilings, head_dims))
-        r = rows[-1]
-        seconds = time.perf_counter() - t0
-        others = f"{_f(r['best_peer_ms'])}/{_f(r['best_peer_graph_ms'])}"
-        print(f"{case.name}: ours {_f(r['ours_ms'])} graph {_f(r['ours_graph_ms'])} best other {others} "
-              f"({seconds:.1f} s)", flush=True)  # fmt: skip
-        write_results(rows, meta, Path(args.out), "attention_h200" if cuda else "attention_smoke")
+        for kv_name in wanted:
+            t0 = time.perf_counter()
+            rows.append(bench_case(case, peers, cuda, dtype, ceilings, head_dims, kv_dtypes[kv_name]))
+            r = rows[-1]
+            seconds = time.perf_counter() - t0
+            others = f"{_f(r['best_peer_ms'])}/{_f(r['best_peer_graph_ms'])}"
+            print(f"{r['case']}: ours {_f(r['ours_ms'])} graph {_f(r['ours_graph_ms'])} best other {others} "
+                  f"({seconds:.1f} s)", flush=True)  # fmt: skip
+            write_results(rows, meta, Path(args.out), stem)
     print(markdown(rows))
+    print(fp8_markdown(rows))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ is reused by the next turn). ``--clients`` conversations are in flight at once, 
 turn when the last reply finished; ``--request-rate`` starts conversations at Poisson times instead.
 Reply lengths follow the dataset's replies (``ignore_eos``), capped. The same requests run under each
 configuration (prefix cache on / off, cascade on / off, each backend, CUDA graphs for decode steps on /
-off), one after the other, in process.
+off, each KV cache dtype), one after the other, in process. ``--num-pages`` sizes the pool at the
+model's dtype; ``--kv-cache-dtype auto,fp8`` also runs every configuration over an fp8 pool of the
+same bytes (``--num-pages`` x the model dtype's bytes per element pages: twice the pages at bf16).
 
     python benchmarks/bench_serving.py                       # CPU, SmolLM2-135M real weights, a few minutes
     python benchmarks/bench_serving.py --model dummy-8b --device cuda --backends triton \\
@@ -354,10 +356,10 @@ def markdown(results: list[dict], meta: dict) -> str:
         lines.append("- **dummy weights** (random, real shapes): outputs are meaningless, timings are real")
     lines += [
         "",
-        "| config | backend | graphs | ok | s | req/s | in tok/s | out tok/s | TTFT mean / med / p99 ms "
-        "| TPOT mean / med / p99 ms | ITL mean / med / p99 ms | E2E mean / med / p99 ms | hit rate "
-        "| shared lv/step | preempt | peak pages |",
-        "|" + "---|" * 16,
+        "| config | backend | KV dtype | graphs | ok | s | req/s | in tok/s | out tok/s "
+        "| TTFT mean / med / p99 ms | TPOT mean / med / p99 ms | ITL mean / med / p99 ms "
+        "| E2E mean / med / p99 ms | hit rate | shared lv/step | preempt | peak pages | pool GiB |",
+        "|" + "---|" * 18,
     ]
 
     def graphs(r: dict) -> str:
@@ -369,13 +371,14 @@ def markdown(results: list[dict], meta: dict) -> str:
             return " / ".join(ms(r[k], x) for x in ("mean", "median", "p99"))
 
         lines.append(
-            f"| {r['config']} | {r['backend']} | {graphs(r)} "
+            f"| {r['config']} | {r['backend']} | {r.get('kv_cache_dtype', '-')} | {graphs(r)} "
             f"| {r['successful_requests']}{'*' if r['time_limited'] else ''} "
             f"| {r['duration_s']:.1f} "
             f"| {r['request_throughput']:.2f} | {r['input_throughput']:.0f} | {r['output_throughput']:.1f} "
             f"| {trio('ttft_ms')} | {trio('tpot_ms')} | {trio('itl_ms')} | {trio('e2e_ms')} "
             f"| {r['prefix_cache_hit_rate']:.1%} | {r['shared_levels_per_step']:.2f} | {r['preemptions']} "
-            f"| {r['peak_pages_in_use']} / {r['num_pages']} |"
+            f"| {r['peak_pages_in_use']} / {r['num_pages']} "
+            f"| {r['pool_bytes'] / 2**30 if 'pool_bytes' in r else float('nan'):.2f} |"
         )
     if any(r["time_limited"] for r in results):
         lines.append(
@@ -398,7 +401,12 @@ def plot(results: list[dict], path: Path, title: str) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    names = [f"{r['config']}\n{r['backend']}" + ("" if r["graphs"] else "\neager") for r in results]
+    names = [
+        f"{r['config']}\n{r['backend']}"
+        + ("\nfp8 KV" if "float8" in r.get("kv_cache_dtype", "") else "")
+        + ("" if r["graphs"] else "\neager")
+        for r in results
+    ]
     fig, (a, b) = plt.subplots(1, 2, figsize=(4 + 1.6 * len(results), 4))
     a.bar(names, [r["ttft_ms"]["mean"] for r in results], color="tab:blue")
     a.set_ylabel("mean TTFT (ms)")
@@ -420,12 +428,16 @@ def run_config(
     backend: str,
     name: str,
     graphs: str,
+    kv_dtype: str = "auto",
 ) -> dict:
-    """One configuration on a new engine: warm-up, then the measured replay; its result row."""
+    """One configuration on a new engine: warm-up, then the measured replay; its result row. An fp8
+    pool (``kv_dtype``) holds the bytes of ``--num-pages`` pages at the model's dtype."""
     caching, cascade = CONFIGS[name]
+    num_pages = args.num_pages * (model.dtype.itemsize if kv_dtype == "fp8" else 1)
     config = EngineConfig(
-        num_pages=args.num_pages,
+        num_pages=num_pages,
         page_size=args.page_size,
+        kv_cache_dtype=kv_dtype,
         backend=backend,
         cascade=cascade,
         scheduler=SchedulerConfig(args.max_batched_tokens, args.max_num_seqs, caching),
@@ -441,12 +453,14 @@ def run_config(
     row = {
         "config": name,
         "backend": backend,
+        "kv_cache_dtype": str(engine.kv_pool[0].dtype).removeprefix("torch."),
+        "pool_bytes": sum(t.numel() * t.element_size() for t in engine.kv_pool),
         "graphs": engine.graphs is not None,
         "time_limited": stopped and len(done) < requests,
     }
     row.update(summarize(done, duration, engine, steps))
     print(
-        f"{name:14s} {backend:8s} graphs {graphs:3s} {row['duration_s']:7.1f} s  "
+        f"{name:14s} {backend:8s} {row['kv_cache_dtype']:13s} graphs {graphs:3s} {row['duration_s']:7.1f} s  "
         f"TTFT mean {row['ttft_ms']['mean']:8.1f} ms  "
         f"TPOT mean {row['tpot_ms']['mean'] or 0:7.1f} ms  "
         f"out {row['output_throughput']:8.1f} tok/s  "
@@ -481,7 +495,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-user-tokens", type=int, default=256)
     ap.add_argument("--max-reply-tokens", type=int, default=32)
     ap.add_argument("--max-context-tokens", type=int, default=2048)
-    ap.add_argument("--num-pages", type=int, default=1024)
+    ap.add_argument("--num-pages", type=int, default=1024, help="the KV pool in pages at the model's dtype")
+    ap.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="comma-separated auto (the model's dtype) / fp8: each runs every configuration, an fp8 pool "
+        "holding the bytes of --num-pages pages at the model's dtype",
+    )
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--max-batched-tokens", type=int, default=512)
     ap.add_argument("--max-num-seqs", type=int, default=64)
@@ -503,6 +523,9 @@ def main(argv: list[str] | None = None) -> int:
     for c in configs:
         if c not in CONFIGS:
             ap.error(f"--configs: unknown {c!r}; known: {', '.join(CONFIGS)}")
+    kv_dtypes = args.kv_cache_dtype.split(",")
+    if not set(kv_dtypes) <= {"auto", "fp8"}:
+        ap.error(f"--kv-cache-dtype: auto, fp8 or both comma-separated, got {args.kv_cache_dtype!r}")
     graph_modes = args.graphs.split(",")
     if not set(graph_modes) <= {"on", "off"}:
         ap.error(f"--graphs: on, off or both comma-separated, got {args.graphs!r}")
@@ -563,9 +586,12 @@ def main(argv: list[str] | None = None) -> int:
             modes = ["off"]
         for name in configs:
             for mode in modes:
-                results.append(
-                    run_config(model, chat, system, conversations, warm, args, backend, name, mode)
-                )
+                for kv_dtype in kv_dtypes:
+                    results.append(
+                        run_config(
+                            model, chat, system, conversations, warm, args, backend, name, mode, kv_dtype
+                        )
+                    )
                 if args.device.startswith("cuda"):
                     torch.cuda.empty_cache()
                 # Written after every configuration, so that a run cut short keeps what it measured.

@@ -3,7 +3,7 @@
 - ``attention``: attention of one cascade level with natural-log LSE (``plan_level`` +
   ``launch_level``, or ``level_attention`` in one call);
 - ``merge_state``: merging partial (out, lse) states (``merge_states``, ``merge_states_varlen``);
-- ``kv_append``: writing new K/V into the paged cache (``append_kv``).
+- ``kv_append``: writing new K/V into the paged cache (``append_kv``), quantizing into an fp8 one.
 
 The folder sits at the top of the checkout, where ``python -m ...`` and scripts run from the
 checkout find it as a top-level package ``kernels``: a name that belongs to an installed

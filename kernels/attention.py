@@ -14,7 +14,10 @@ writes into the same buffers. Long KV segments with few programs are split acros
 
 K and V are addressed through strides, so any layout whose last axis (head_dim) is contiguous works:
 FlashInfer's ``[pages, 2, page_size, H, D]``, vLLM's ``[2, pages, page_size, H, D]``, separate K and V
-tensors, or HND views (see ``prefix_cache.attention.kv_layout``).
+tensors, or HND views (see ``prefix_cache.attention.kv_layout``). They may be fp8 (e4m3, with a K
+and a V scale per layer): each tile is converted to q's dtype in registers after its load (exact),
+the K scale folded into the softmax scale and the V scale into the output's normalisation, so an fp8
+cache reads half the bytes and changes nothing else.
 
 Host side for one level: ``plan_level`` builds its work list once per batch, ``launch_level`` runs
 it per layer, ``level_attention`` does both and the merge, for one-off calls. The triton backend
@@ -48,7 +51,7 @@ from prefix_cache.kernels.work import (
     tile_config,
 )
 
-from prefix_cache.attention.kv_layout import KVCache, split_kv_cache
+from prefix_cache.attention.kv_layout import FP8_KV_DTYPE, KVCache, check_kv_scales, split_kv_cache
 from prefix_cache.planner.kv_split import min_split_tokens
 
 
@@ -91,9 +94,10 @@ def _kv_tile(
     else:
         k = tl.load(k_ptrs)
         v = tl.load(v_ptrs)
-    if UPCAST:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
+    # fp8 K/V are dequantized in registers to q's dtype (fp32 when upcast); their scales are folded
+    # into qk_scale and the output's scale. A no-op for K/V of q's dtype.
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
 
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     if MASK:
@@ -124,7 +128,8 @@ def _attention_kernel(
     o_ptr,  # [*, Hq, D]
     lse_ptr,  # [*, Hq] float32
     final_ptr,  # [*, Hq, D]: the output rows of tokens with a negative o_rows entry
-    qk_scale,  # sm_scale * log2(e)
+    qk_scale,  # sm_scale * k_scale * log2(e)
+    v_scale,  # the output's factor: an fp8 cache's V scale, else 1
     stride_q_row,
     stride_q_head,
     stride_k_page,
@@ -220,7 +225,7 @@ def _attention_kernel(
             )  # fmt: skip
 
         empty = l_i == 0.0
-        out = acc / tl.where(empty, 1.0, l_i)[:, None]
+        out = acc * (v_scale / tl.where(empty, 1.0, l_i))[:, None]
         # m_i and log2(l_i) are in log2 units; the LSE is returned in natural log (times ln 2).
         lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
         o_row = tl.load(o_rows_ptr + orow + tok, mask=row_ok, other=0).to(tl.int64)
@@ -296,12 +301,13 @@ class AttentionLaunch:
         lse: torch.Tensor,
         final: torch.Tensor,
         qk_scale: float,
+        v_scale: float = 1.0,
     ) -> None:
         """Run ``num_work[0]`` items of ``work``: see ``launch_attention`` for the arguments."""
         sq, sk, sv, so, sf = q.stride(), k.stride(), v.stride(), out.stride(), final.stride()
         scalars = (
-            qk_scale, sq[0], sq[1], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], so[0], so[1], lse.stride(0),
-            sf[0], sf[1],
+            qk_scale, v_scale, sq[0], sq[1], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], so[0], so[1],
+            lse.stride(0), sf[0], sf[1],
         )  # fmt: skip
         # The plan's buffers are the same objects for every layer: only the layer's tensors are read.
         plan = (q_rows, kv_indices, work, num_work, o_rows, out, lse)
@@ -344,13 +350,15 @@ def launch_attention(
     *,
     final: torch.Tensor | None = None,
     qk_scale: float,
+    v_scale: float = 1.0,
     num_programs: int,
     group_size: int,
     tile: TileConfig,
 ) -> None:
     """One launch over ``num_work[0]`` items of ``work`` (no checks: callers validate once per plan).
 
-    k, v: [num_pages, page_size, Hkv, D] views (``split_kv_cache``); qk_scale: sm_scale * log2(e);
+    k, v: [num_pages, page_size, Hkv, D] views (``split_kv_cache``), q's dtype or fp8;
+    qk_scale: sm_scale * k_scale * log2(e); v_scale: the output's factor (an fp8 cache's V scale, else 1);
     num_programs: grid size; programs loop over (item, KV head) pairs, so any size >= 1 is correct.
     Query token t of an item at level offset OROW writes its (out, lse) partial state to row
     ``o_rows[OROW + t] + split`` of ``out`` / ``lse``, or, where that entry is ``-1 - r``, its output
@@ -361,7 +369,7 @@ def launch_attention(
         page_size=k.shape[1], head_dim=q.shape[2], dtype=q.dtype,
     )  # fmt: skip
     final = out if final is None else final
-    launch(q, q_rows, k, v, kv_indices, work, num_work, o_rows, out, lse, final, qk_scale)
+    launch(q, q_rows, k, v, kv_indices, work, num_work, o_rows, out, lse, final, qk_scale, v_scale)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -469,8 +477,8 @@ def _check_inputs(sched: LevelSchedule, q: torch.Tensor, k: torch.Tensor) -> Non
         raise ValueError(f"the KV cache has pages of {tuple(k.shape[1:])}, the plan needs {want}")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"q must be fp16, bf16 or fp32, got {q.dtype}")
-    if k.dtype != q.dtype:
-        raise ValueError(f"kv_cache dtype {k.dtype} differs from q's {q.dtype}")
+    if k.dtype != q.dtype and k.dtype != FP8_KV_DTYPE:
+        raise ValueError(f"kv_cache dtype {k.dtype} is neither q's {q.dtype} nor {FP8_KV_DTYPE}")
     if q.stride(-1) != 1:
         raise ValueError("the head_dim axis of q must be contiguous")
     if sched.max_page >= k.shape[0]:
@@ -487,6 +495,8 @@ def launch_level(
     o_rows: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
 ) -> None:
     """Run a planned level: for planned query token t (0 <= t < sched.num_query_tokens) and split
     s < sched.splits[t], write its normalised output to ``out[o_rows[t] + s]`` and its natural-log
@@ -494,11 +504,13 @@ def launch_level(
     groups without KV are not written.
 
     q: [*, Hq, D] fp16/bf16/fp32; planned token t is row ``q_rows[t]`` (int64 [nq], device).
-    kv_cache: see ``split_kv_cache``, q's dtype.
+    kv_cache: see ``split_kv_cache``, q's dtype or fp8 (``FP8_KV_DTYPE``).
     o_rows: int64 [nq] on the device. out: [*, Hq, D] float (fp32 for partial states); lse: [*, Hq] fp32.
+    k_scale, v_scale: an fp8 cache's dequantization scales (``check_kv_scales``).
     """
     k, v = split_kv_cache(kv_cache)
     _check_inputs(sched, q, k)
+    k_scale, v_scale = check_kv_scales(k.dtype, k_scale, v_scale)
     if out.stride(-1) != 1 or lse.stride(-1) != 1 or lse.dtype != torch.float32:
         raise ValueError("out and lse need a contiguous last axis, lse float32")
     check_runnable(q, k, v, q_rows, o_rows, out, lse, sched.work)
@@ -507,7 +519,7 @@ def launch_level(
         return
     launch_attention(
         q, q_rows, k, v, sched.kv_indices, sched.work, sched.num_work, o_rows, out, lse,
-        qk_scale=sm_scale * LOG2E, num_programs=num_items * sched.num_kv_heads,
+        qk_scale=sm_scale * k_scale * LOG2E, v_scale=v_scale, num_programs=num_items * sched.num_kv_heads,
         group_size=sched.group_size, tile=sched.tile,
     )  # fmt: skip
 
@@ -524,12 +536,15 @@ def level_attention(
     sm_scale: float | None = None,
     out_dtype: torch.dtype = torch.float32,
     kv_chunk_size: int | None = None,
+    k_scale: float | None = None,
+    v_scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one level in one call (plans, launches, merges splits; the index arrays are
     copied to the host, so prefer ``plan_level`` + ``launch_level`` in a loop over layers).
 
     q: [nq, Hq, D] fp16/bf16/fp32, queries in the level's order; kv_cache: see ``split_kv_cache``.
     Index arrays and ``causal``/``kv_chunk_size``: see ``plan_level``. sm_scale defaults to D**-0.5.
+    k_scale, v_scale: an fp8 cache's dequantization scales (``check_kv_scales``).
     Returns (out [nq, Hq, D] in out_dtype, lse [nq, Hq] float32, natural log; -inf and out 0 for
     queries with no KV).
     """
@@ -548,15 +563,18 @@ def level_attention(
     out = torch.empty((nq, num_qo_heads, head_dim), dtype=out_dtype, device=q.device)
     lse = torch.empty((nq, num_qo_heads), dtype=torch.float32, device=q.device)
     rows = torch.arange(nq, dtype=torch.int64, device=q.device)
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
     if (sched.splits == 1).all():
-        launch_level(sched, q, kv_cache, sm_scale=scale, q_rows=rows, o_rows=rows, out=out, lse=lse)
+        launch_level(sched, q, kv_cache, sm_scale=scale, q_rows=rows, o_rows=rows, out=out, lse=lse, **scales)
         return out, lse
     starts = np.cumsum(sched.splits, dtype=np.int64) - sched.splits
     num_rows = int(sched.splits.sum())
     part_o = torch.empty((num_rows, num_qo_heads, head_dim), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((num_rows, num_qo_heads), dtype=torch.float32, device=q.device)
     starts_t = torch.from_numpy(starts).to(q.device)
-    launch_level(sched, q, kv_cache, sm_scale=scale, q_rows=rows, o_rows=starts_t, out=part_o, lse=part_lse)
+    launch_level(
+        sched, q, kv_cache, sm_scale=scale, q_rows=rows, o_rows=starts_t, out=part_o, lse=part_lse, **scales
+    )
     counts = torch.from_numpy(sched.splits).to(q.device)  # int32
     merge_states_varlen(part_o, part_lse, starts_t, counts, out, out_lse=lse)
     return out, lse

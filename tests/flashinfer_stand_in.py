@@ -9,7 +9,9 @@ every plan must have and a first plan that fixes the most query rows later plans
 taking q with exactly the plan's rows; a request's KV length ``max(pages - 1, 0) * page_size +
 last_page_len`` (its last page length 1..page_size, 0 without pages); causal masks aligned
 bottom-right; zeros for the rows of a request without KV; and FA2's split results in the float
-workspace, sized for the fixed shape (``PrefillPlan`` in FlashInfer's scheduler: 2 programs per SM).
+workspace, sized for the fixed shape (``PrefillPlan`` in FlashInfer's scheduler: 2 programs per SM);
+an fp8 KV cache planned as ``kv_data_type`` (refused by FA3 beside a 16-bit q) and read as stored
+value x ``k_scale`` / ``v_scale`` given to ``run``.
 Attention is computed in float64 from the wrapper's own index buffers, request by request.
 """
 
@@ -55,6 +57,8 @@ class BatchPrefillWithPagedKVCacheWrapper:
             raise ValueError(f"{rows} rows over the first plan's {self.max_rows}")
         if kv_indices.shape[0] > self.indices.shape[0]:
             raise ValueError("paged_kv_indices over the buffer")
+        if self.backend == "fa3" and kv_data_type == torch.float8_e4m3fn and q_data_type != kv_data_type:
+            raise ValueError("FA3 takes an fp8 KV cache only with an fp8 q")
         assert bool((qo_indptr.diff() >= 0).all()) and bool((kv_indptr.diff() >= 0).all())
         assert int(kv_indptr[-1]) <= kv_indices.shape[0]
         pages = kv_indptr.diff()
@@ -76,12 +80,17 @@ class BatchPrefillWithPagedKVCacheWrapper:
             self.last.copy_(last_page_len)
         self.rows, self.page_size, self.causal, self.sm_scale = rows, page_size, causal, sm_scale
         self.heads = (num_qo_heads, num_kv_heads, head_dim)
+        self.dtypes = (q_data_type, kv_data_type)
 
-    def run(self, q, paged, out=None, lse=None, return_lse=False):
+    def run(self, q, paged, out=None, lse=None, return_lse=False, k_scale=None, v_scale=None):
         """out (q's dtype), and with ``return_lse`` the base-2 LSE (float32, [rows, Hq]; ``lse`` if given)."""
         if q.shape[0] != self.rows:
             raise ValueError(f"q.shape[0] ({q.shape[0]}) does not match qo_indptr[-1] ({self.rows})")
         k_cache, v_cache = (paged[:, 0], paged[:, 1]) if isinstance(paged, torch.Tensor) else paged
+        if (q.dtype, k_cache.dtype) != self.dtypes:
+            raise ValueError(f"q and KV of {q.dtype}, {k_cache.dtype}; planned for {self.dtypes}")
+        k_scale = 1.0 if k_scale is None else k_scale
+        v_scale = 1.0 if v_scale is None else v_scale
         if out is None:
             out = torch.empty_like(q)
         assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
@@ -101,8 +110,8 @@ class BatchPrefillWithPagedKVCacheWrapper:
                     lse[q0:q1] = float("-inf")
                 continue
             pages = self.indices[p0:p1].long()
-            k = k_cache[pages].flatten(0, 1)[:kv_len].double().repeat_interleave(group, dim=1)
-            v = v_cache[pages].flatten(0, 1)[:kv_len].double().repeat_interleave(group, dim=1)
+            k = k_cache[pages].flatten(0, 1)[:kv_len].double().repeat_interleave(group, dim=1) * k_scale
+            v = v_cache[pages].flatten(0, 1)[:kv_len].double().repeat_interleave(group, dim=1) * v_scale
             scores = torch.einsum("qhd,khd->hqk", q[q0:q1].double(), k) * self.sm_scale
             if self.causal:
                 visible = (

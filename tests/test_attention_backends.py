@@ -273,7 +273,7 @@ def test_prefill_cascade_with_an_fa3_level_takes_the_triton_route() -> None:
         fa3 = SharedLevelsOnFlashInfer(flashinfer_stand_in, torch.device(device), rule)
         backend._triton._shared_levels = fa3
         backend.num_qo_heads, backend.num_kv_heads, backend.head_dim = hq, hkv, d
-        backend.dtype = torch.float16
+        backend.dtype = backend.kv_dtype = torch.float16
         assert backend._fa3_takes_a_level(plan) == (route == "triton+fa3")
         if route == "flashinfer":
             continue  # FlashInfer's cascade wrapper has no stand-in
@@ -778,7 +778,7 @@ def test_flashinfer_graph_launches_pad_every_plan(kind: str, layout: str) -> Non
         tables, kv_lens, qo_lens = _one_level_batch(rng, kind, page_size, num_pages)
         plan = CascadePlanner().plan(tables, kv_lens, qo_lens, page_size)
         assert len(plan.levels) == 1
-        graphs.plan(kind, plan.levels[0], page_size, heads, torch.float32)
+        graphs.plan(kind, plan.levels[0], page_size, heads, (torch.float32, torch.float32))
         nq = plan.num_query_tokens
         rows.add(nq)
         q = torch.randn(
@@ -788,7 +788,7 @@ def test_flashinfer_graph_launches_pad_every_plan(kind: str, layout: str) -> Non
             out = torch.full((q.shape[0], hq, 2 * d), float("nan"))[..., :d]
         else:
             out = torch.full_like(q, float("nan"))
-        graphs.run(kind, q, kv_cache, out)
+        graphs.run(kind, q, kv_cache, out, (1.0, 1.0))
         expected = reference_attention(q[:nq], kv_cache, tables, kv_lens, qo_lens, 0.25)
         torch.testing.assert_close(out[:nq].double(), expected, atol=1e-5, rtol=1e-5)
         zeroed = kind == "prefill" and layout == "capacity rows"  # FA3's padding request
@@ -797,12 +797,18 @@ def test_flashinfer_graph_launches_pad_every_plan(kind: str, layout: str) -> Non
         if step == 3:
             over = CascadePlanner().plan([np.arange(121)], [121 * page_size], [1], page_size)
             with pytest.raises(ValueError, match="121 pages, over the backend's capacity of 120"):
-                graphs.plan(kind, over.levels[0], page_size, heads, torch.float32)
+                graphs.plan(kind, over.levels[0], page_size, heads, (torch.float32, torch.float32))
             with pytest.raises(ValueError, match="launches keep their heads"):
-                graphs.plan(kind, plan.levels[0], page_size, {**heads, "num_qo_heads": 2}, torch.float32)
+                graphs.plan(
+                    kind,
+                    plan.levels[0],
+                    page_size,
+                    {**heads, "num_qo_heads": 2},
+                    (torch.float32, torch.float32),
+                )
             # Refused plans leave the wrappers with the plan before them.
             out.fill_(float("nan"))
-            graphs.run(kind, q, kv_cache, out)
+            graphs.run(kind, q, kv_cache, out, (1.0, 1.0))
             torch.testing.assert_close(out[:nq].double(), expected, atol=1e-5, rtol=1e-5)
     assert len(rows) >= 3, rows
 
@@ -881,7 +887,7 @@ def test_flashinfer_decode_workspace_fits_the_capacity(
     graphs = OneLevelGraphs(flashinfer_stand_in, torch.device("cpu"), capacity, 1 << 20)
     plan = CascadePlanner().plan([np.array([i]) for i in range(3)], [5, 9, 16], [1, 1, 1], 16)
     heads = dict(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=128, sm_scale=0.1)
-    graphs.plan("decode", plan.levels[0], 16, heads, torch.bfloat16)
+    graphs.plan("decode", plan.levels[0], 16, heads, (torch.bfloat16, torch.bfloat16))
     wrapper = graphs._wrappers["decode"]
     assert wrapper.need <= wrapper.workspace.numel() <= 2.5 * wrapper.need
 

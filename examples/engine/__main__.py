@@ -21,6 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="smollm2", help="smollm2 (real weights), dummy-8b or dummy-1b")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--backend", default="torch", choices=["torch", "triton", "flashinfer"])
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     ap.add_argument("--top-p", type=float, default=1.0)
@@ -32,7 +33,9 @@ def main(argv: list[str] | None = None) -> int:
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, n=args.n, seed=args.seed
     )
     model, chat = load_model(args.model, args.device)
-    engine = LLMEngine(model, EngineConfig(backend=args.backend), chat.stop_token_ids)
+    engine = LLMEngine(
+        model, EngineConfig(backend=args.backend, kv_cache_dtype=args.kv_cache_dtype), chat.stop_token_ids
+    )
     messages = [{"role": "system", "content": args.system}] if args.system else []
     prompt = chat.render([*messages, {"role": "user", "content": args.prompt}])
     start = time.perf_counter()

@@ -158,7 +158,7 @@ class DecodeGraphs:
         b = self._get(size)
         if not fits(plan, b.backend.capacity):
             return None
-        b.backend.plan(plan, **self.model.attention_shape())
+        b.backend.plan(plan, **self.model.attention_shape(self.kv_pool[0].dtype))
         n = len(tokens)
         b.host[:] = PADDING  # token 0 at position 0, no KV slot, row 0 (never read)
         b.host[0, :n], b.host[1, :n], b.host[2, :n] = tokens, positions, slots

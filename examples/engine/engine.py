@@ -14,6 +14,7 @@ everything on the CPU run eagerly.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from itertools import count
@@ -30,11 +31,17 @@ from .request import Request, Sample, SamplingParams, Status
 from .sampling import sample_tokens
 from .scheduler import Scheduler, SchedulerConfig
 
+#: ``EngineConfig.kv_cache_dtype`` names: the KV pool's dtype (None: the model's).
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "fp8": torch.float8_e4m3fn}
+
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """num_pages, page_size: the KV pool; backend: "auto", "torch", "triton" or "flashinfer"; cascade:
-    False plans a single level (plain paged attention); planner: the cascade cost model's thresholds.
+    """num_pages, page_size: the KV pool; kv_cache_dtype: its dtype, "auto" (the model's) or "fp8"
+    (``torch.float8_e4m3fn`` with the model's per-layer ``kv_scales``: half the bytes of bf16 per
+    page, so the same memory holds twice the pages); backend: "auto", "torch", "triton" or
+    "flashinfer"; cascade: False plans a single level (plain paged attention); planner: the cascade
+    cost model's thresholds.
 
     cuda_graphs: replay decode-only steps from CUDA graphs (CUDA, backend "auto" or "triton" only).
     graph_max_pages_per_seq: a graph bucket of B decodes takes plans listing up to B times this many
@@ -44,6 +51,7 @@ class EngineConfig:
 
     num_pages: int = 2048
     page_size: int = 16
+    kv_cache_dtype: str = "auto"
     backend: str = "torch"
     cascade: bool = True
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -52,6 +60,10 @@ class EngineConfig:
     graph_max_pages_per_seq: int | None = None
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
+            )
         if self.graph_max_pages_per_seq is not None and self.graph_max_pages_per_seq < 1:
             raise ValueError(
                 f"graph_max_pages_per_seq must be >= 1 or None, got {self.graph_max_pages_per_seq}"
@@ -78,11 +90,16 @@ class LLMEngine:
         self.model, self.config = model, config
         self.stop_token_ids = stop_token_ids
         self.cache = PrefixCache(config.num_pages, config.page_size, record_events=False)
-        self.kv_pool = model.new_kv_pool(config.num_pages, config.page_size)
+        self.kv_pool = model.new_kv_pool(
+            config.num_pages, config.page_size, KV_CACHE_DTYPES[config.kv_cache_dtype]
+        )
         self.scheduler = Scheduler(self.cache, config.scheduler)
         planner = config.planner
         if not config.cascade:
             planner = CascadePlanner(planner.min_shared_tokens, planner.min_saved_tokens, max_levels=1)
+        if config.kv_cache_dtype == "fp8" and planner.cost_model is not None:
+            # The cascade-or-one-level choice weighs KV reads at the fp8 pool's byte per element.
+            planner = dataclasses.replace(planner, cost_model=planner.cost_model.for_kv_itemsize(1))
         self.planner = planner
         self.backend = create_backend(config.backend, device=model.device)
         self.graphs: DecodeGraphs | None = None
@@ -182,7 +199,7 @@ class LLMEngine:
         device = self.model.device
         # With the dtype the backend finishes planning here (Triton binds its launches, FlashInfer
         # plans, "auto" may take the FlashInfer route) rather than in the first layer's run.
-        self.backend.plan(plan, **self.model.attention_shape())
+        self.backend.plan(plan, **self.model.attention_shape(self.kv_pool[0].dtype))
 
         def to_device(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(a).to(device)

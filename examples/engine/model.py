@@ -5,7 +5,8 @@ Face's Llama), the new tokens' K/V written into their pages, attention of the ba
 output projection, RMSNorm, SwiGLU MLP; a final RMSNorm and the LM head on the rows that are sampled.
 
 The KV pool is one tensor per layer, ``[num_pages, 2, page_size, num_kv_heads, head_dim]``, all
-indexed by the same page ids.
+indexed by the same page ids, in the model's dtype or in fp8 (``torch.float8_e4m3fn``): then each
+layer's K and V are stored divided by that layer's scales (``kv_scales``) and read back times them.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from prefix_cache.attention import AttentionBackend
+from prefix_cache.attention.kv_layout import FP8_KV_DTYPE, quantize_fp8
 
 from .config import ModelConfig
 
@@ -37,6 +39,8 @@ class LlamaModel:
         self.device, self.dtype = embed.device, embed.dtype
         exponents = torch.arange(0, config.head_dim, 2, device=self.device).float() / config.head_dim
         self._inv_freq = 1.0 / config.rope_theta**exponents  # [head_dim / 2] float32
+        #: Per layer, (k_scale, v_scale) of an fp8 KV pool: 1 unless a checkpoint's calibration is set.
+        self.kv_scales: list[tuple[float, float]] = [(1.0, 1.0)] * config.num_layers
 
     @classmethod
     def from_gguf_weights(
@@ -105,19 +109,29 @@ class LlamaModel:
         lm_head = embed if config.tie_word_embeddings else rand(config.vocab_size, h)
         return cls(config, layers, embed, ones(), lm_head)
 
-    def attention_shape(self) -> dict:
-        """The keyword arguments of an attention backend's ``plan`` for this model: its heads, head
-        dim and dtype (with the dtype the backend finishes planning in ``plan``)."""
+    def attention_shape(self, kv_dtype: torch.dtype | None = None) -> dict:
+        """The keyword arguments of an attention backend's ``plan`` for this model over a KV pool of
+        ``kv_dtype`` (default the model's): its heads, head dim and dtypes (with the dtypes the
+        backend finishes planning in ``plan``)."""
         c = self.config
         return dict(
-            num_qo_heads=c.num_qo_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, q_dtype=self.dtype
-        )
+            num_qo_heads=c.num_qo_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, q_dtype=self.dtype,
+            kv_dtype=kv_dtype or self.dtype,
+        )  # fmt: skip
 
-    def new_kv_pool(self, num_pages: int, page_size: int) -> list[torch.Tensor]:
-        """Per layer, ``[num_pages, 2, page_size, num_kv_heads, head_dim]`` in the model's dtype."""
+    def new_kv_pool(
+        self, num_pages: int, page_size: int, dtype: torch.dtype | None = None
+    ) -> list[torch.Tensor]:
+        """Per layer, ``[num_pages, 2, page_size, num_kv_heads, head_dim]`` in ``dtype``: the model's
+        (default) or fp8, half the bytes of bf16 per page."""
         c = self.config
+        dtype = dtype or self.dtype
+        if dtype not in (self.dtype, FP8_KV_DTYPE):
+            raise ValueError(
+                f"a KV pool holds the model's dtype ({self.dtype}) or {FP8_KV_DTYPE}, not {dtype}"
+            )
         shape = (num_pages, 2, page_size, c.num_kv_heads, c.head_dim)
-        return [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(c.num_layers)]
+        return [torch.zeros(shape, device=self.device, dtype=dtype) for _ in range(c.num_layers)]
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for ``positions`` ([T] int64), each [T, 1, head_dim] in the model's dtype. Computed
@@ -163,21 +177,26 @@ class LlamaModel:
             page_size = kv_pool[0].shape[2]
             pages, offsets = slots // page_size, slots % page_size
         x = F.embedding(tokens, self.embed)
-        for layer, kv in zip(self.layers, kv_pool, strict=True):
+        fp8 = kv_pool[0].dtype == FP8_KV_DTYPE
+        for layer, kv, (k_scale, v_scale) in zip(self.layers, kv_pool, self.kv_scales, strict=True):
             h = self._rms_norm(x, layer["attn_norm"])
             qkv = F.linear(h, layer["wqkv"])
             q = qkv[:, : hq * hd].view(-1, hq, hd)
             k = qkv[:, hq * hd : (hq + hkv) * hd].view(-1, hkv, hd)
             v = qkv[:, (hq + hkv) * hd :].view(-1, hkv, hd)
             q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+            scales = dict(k_scale=k_scale, v_scale=v_scale) if fp8 else {}
             if kv.is_cuda:
                 from prefix_cache.kernels import append_kv
 
-                append_kv(kv, k, v.contiguous(), slots)
+                append_kv(kv, k, v.contiguous(), slots, **scales)
+            elif fp8:
+                kv[pages, 0, offsets] = quantize_fp8(k, k_scale)
+                kv[pages, 1, offsets] = quantize_fp8(v, v_scale)
             else:
                 kv[pages, 0, offsets] = k
                 kv[pages, 1, offsets] = v
-            attn = backend.run(q.contiguous(), kv)
+            attn = backend.run(q.contiguous(), kv, **scales)
             x = x + F.linear(attn.reshape(-1, hq * hd), layer["wo"])
             h = self._rms_norm(x, layer["ffn_norm"])
             gate, up = F.linear(h, layer["w_gate_up"]).chunk(2, dim=-1)

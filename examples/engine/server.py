@@ -332,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--backend", default="torch", choices=["torch", "triton", "flashinfer"])
     ap.add_argument("--num-pages", type=int, default=4096)
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--max-batched-tokens", type=int, default=512)
     ap.add_argument("--max-num-seqs", type=int, default=64)
@@ -347,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     config = EngineConfig(
         num_pages=args.num_pages,
         page_size=args.page_size,
+        kv_cache_dtype=args.kv_cache_dtype,
         backend=args.backend,
         cascade=not args.no_cascade,
         scheduler=SchedulerConfig(args.max_batched_tokens, args.max_num_seqs, not args.no_prefix_caching),

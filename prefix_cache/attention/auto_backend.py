@@ -17,7 +17,10 @@ come from the side-by-side measurements in benchmarks/results/attention_h200.md)
   wrapper: 0.79-0.89x its time on the H200 (benchmarks/NOTES.md, attempt 20).
 
 FlashInfer is used only where it is importable, the device is CUDA and ``plan`` was given
-``q_dtype`` (fp16 or bf16).
+``q_dtype`` (fp16 or bf16). An fp8 cache (``kv_dtype=torch.float8_e4m3fn``) takes the same routes
+with FlashInfer's fp8 support (its FA2 kernels: FA3 takes fp8 KV only beside an fp8 q), except FA3's:
+shared levels stay on our kernels, and under a capacity FlashInfer's prefill graph becomes
+``"triton"``.
 
 With a ``GraphCapacity`` (``run`` captured in CUDA graphs and replayed across plans), a causal plan
 of one level whose requests all have KV, that the rule sends to FlashInfer, runs on FlashInfer's
@@ -40,7 +43,7 @@ import torch
 
 from prefix_cache.attention.base import AttentionBackend, check_pool, in_engine_order
 from prefix_cache.attention.flashinfer_levels import LevelRule, SharedLevelsOnFlashInfer
-from prefix_cache.attention.kv_layout import flashinfer_paged
+from prefix_cache.attention.kv_layout import FP8_KV_DTYPE, flashinfer_paged
 from prefix_cache.attention.triton_backend import GraphCapacity, TritonBackend, checked_levels
 from prefix_cache.planner.kv_split import DECODE_TILE_ROWS, MIN_SPLIT_TOKENS, min_split_tokens
 from prefix_cache.planner.plan import CascadePlan, one_level_decode
@@ -216,8 +219,10 @@ class AutoBackend(AttentionBackend):
         )
         if self.capacity is not None:
             key = choose_graph_key(plan, group, self.head_dim, self.routing) if flashinfer else "triton"
+            if key == "flashinfer-prefill" and self.kv_dtype == FP8_KV_DTYPE:
+                key = "triton"
             if key == "triton":
-                self._triton.plan(plan, **heads, q_dtype=self.dtype)
+                self._triton.plan(plan, **heads, q_dtype=self.dtype, kv_dtype=self.kv_dtype)
                 key = self._triton.graph_key
             else:
                 if self._fi_graphs is None:
@@ -227,7 +232,7 @@ class AutoBackend(AttentionBackend):
                         self._fi_module, self.device, self.capacity, self._workspace_bytes
                     )
                 kind = key.removeprefix("flashinfer-")
-                self._fi_graphs.plan(kind, plan.levels[0], plan.page_size, heads, self.dtype)
+                self._fi_graphs.plan(kind, plan.levels[0], plan.page_size, heads, (self.dtype, self.kv_dtype))
             self._graph_key = key
             self.route = key if key.startswith("triton") else "flashinfer"
             return
@@ -236,7 +241,7 @@ class AutoBackend(AttentionBackend):
             route = "triton"
         if route == "triton" and flashinfer:
             flat = choose_flat_decode(
-                plan, group, self.num_kv_heads, self.head_dim, self.dtype.itemsize, self.routing
+                plan, group, self.num_kv_heads, self.head_dim, self.kv_dtype.itemsize, self.routing
             )
             if flat is not None:
                 plan, route = flat, "flashinfer"
@@ -245,9 +250,9 @@ class AutoBackend(AttentionBackend):
                 from prefix_cache.attention.flashinfer_backend import FlashInferBackend
 
                 self._fi_backend = FlashInferBackend(self.device, self._workspace_bytes)
-            self._fi_backend.plan(plan, **heads, q_dtype=self.dtype)
+            self._fi_backend.plan(plan, **heads, q_dtype=self.dtype, kv_dtype=self.kv_dtype)
         else:
-            self._triton.plan(plan, **heads, q_dtype=self.dtype)
+            self._triton.plan(plan, **heads, q_dtype=self.dtype, kv_dtype=self.kv_dtype)
             route = "triton+fa3" if self._triton._external else "triton"
         self.route = route
 
@@ -258,16 +263,16 @@ class AutoBackend(AttentionBackend):
             return False
         causal = [lv.causal for lv in plan.levels]
         heads = (self.num_qo_heads, self.num_kv_heads)
-        return shared.take(checked_levels(plan), causal, heads, self.head_dim, self.dtype) is not None
+        return shared.take(checked_levels(plan), causal, heads, self.head_dim, self.kv_dtype) is not None
 
-    def _run(self, plan, q, kv_cache, k, v, out) -> None:
+    def _run(self, plan, q, kv_cache, k, v, out, scales=(1.0, 1.0)) -> None:
         if self.route.startswith("triton"):
-            self._triton._run(plan, q, kv_cache, k, v, out)
+            self._triton._run(plan, q, kv_cache, k, v, out, scales)
         elif self.capacity is not None:
             check_pool(self.device, self._fi_graphs.max_page, q, k)
             self._fi_graphs.run(
-                self._graph_key.removeprefix("flashinfer-"), q, flashinfer_paged(kv_cache, k, v), out
+                self._graph_key.removeprefix("flashinfer-"), q, flashinfer_paged(kv_cache, k, v), out, scales
             )
         else:
             # Its own plan: the one-level plan of a flattened decode cascade, else ``plan``.
-            self._fi_backend._run(self._fi_backend._plan, q, kv_cache, k, v, out)
+            self._fi_backend._run(self._fi_backend._plan, q, kv_cache, k, v, out, scales)

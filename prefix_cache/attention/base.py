@@ -11,11 +11,13 @@ from abc import ABC, abstractmethod
 import numpy as np
 import torch
 
-from prefix_cache.attention.kv_layout import KVCache, split_kv_cache
+from prefix_cache.attention.kv_layout import FP8_KV_DTYPE, KVCache, check_kv_scales, split_kv_cache
 from prefix_cache.planner.plan import CascadePlan
 
 #: Query/KV dtypes the interface accepts (a backend may accept fewer and says so when run).
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+#: KV dtypes: q's, or fp8 with per-layer K and V scales (``FP8_KV_DTYPE``) for a q of any of the above.
+KV_DTYPES = (*SUPPORTED_DTYPES, FP8_KV_DTYPE)
 
 
 class AttentionBackend(ABC):
@@ -34,8 +36,10 @@ class AttentionBackend(ABC):
         self._plan: CascadePlan | None = None
         self.num_qo_heads = self.num_kv_heads = self.head_dim = 0
         self.sm_scale = 1.0
-        #: The dtype of q and the KV cache given to ``plan``, or None: fixed by each ``run``.
+        #: The dtype of q given to ``plan``, or None: fixed by each ``run``.
         self.dtype: torch.dtype | None = None
+        #: The KV cache's dtype given to ``plan`` (q's, or ``FP8_KV_DTYPE``), or None: fixed by each ``run``.
+        self.kv_dtype: torch.dtype | None = None
         # Query rows run() accepts: exactly the plan's, or up to this many (fixed-capacity backends,
         # whose extra rows are padding).
         self._max_query_rows: int | None = None
@@ -52,29 +56,40 @@ class AttentionBackend(ABC):
         kv_dtype: torch.dtype | None = None,
     ) -> None:
         """Prepare to run ``plan``. ``num_qo_heads`` must be a multiple of ``num_kv_heads`` (GQA);
-        ``sm_scale`` defaults to ``head_dim ** -0.5``. ``q_dtype`` / ``kv_dtype`` (one of
-        ``SUPPORTED_DTYPES``, the same for both; ``kv_dtype`` defaults to ``q_dtype``) let a backend
+        ``sm_scale`` defaults to ``head_dim ** -0.5``. ``q_dtype`` (one of ``SUPPORTED_DTYPES``) and
+        ``kv_dtype`` (q's, its default, or ``torch.float8_e4m3fn`` for an fp8 cache) let a backend
         finish its planning here (FlashInfer needs them); without them it may finish at the first
         ``run``. If this raises, the backend holds no plan."""
         scale = check_plan_args(num_qo_heads, num_kv_heads, head_dim, sm_scale)
-        dtype = check_plan_dtypes(q_dtype, kv_dtype)
+        dtype, kv = check_plan_dtypes(q_dtype, kv_dtype)
         self._plan = None
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
         self.sm_scale = scale
-        self.dtype = dtype
+        self.dtype, self.kv_dtype = dtype, kv
         self._prepare(plan)
         self._plan = plan
 
-    def run(self, q: torch.Tensor, kv_cache: KVCache, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    def run(
+        self,
+        q: torch.Tensor,
+        kv_cache: KVCache,
+        *,
+        out: torch.Tensor | None = None,
+        k_scale: float | None = None,
+        v_scale: float | None = None,
+    ) -> torch.Tensor:
         """Attention of the planned batch for one layer.
 
         q: [num_query_tokens, num_qo_heads, head_dim], the engine's request order (request 0's query
             tokens first), fp16, bf16 or fp32 (the planned dtype, if one was given).
         kv_cache: [num_pages, 2, page_size, num_kv_heads, head_dim] (K at index 0, V at 1; NHD), or a
             (k_cache, v_cache) pair of [num_pages, page_size, num_kv_heads, head_dim] tensors of any
-            strides (see ``prefix_cache.attention.kv_layout``); q's dtype and device.
+            strides (see ``prefix_cache.attention.kv_layout``); q's device, q's dtype or fp8
+            (``torch.float8_e4m3fn``, the planned ``kv_dtype`` if one was given).
         out: optional [num_query_tokens, num_qo_heads, head_dim] tensor in q's dtype to write into
             (no allocation); a new one otherwise.
+        k_scale, v_scale: the layer's scales of an fp8 cache (K and V are read as stored x scale),
+            positive and finite, default 1; only for an fp8 cache.
         Returns the output, [num_query_tokens, num_qo_heads, head_dim] in q's dtype and order.
         """
         plan = self._plan
@@ -82,6 +97,7 @@ class AttentionBackend(ABC):
             raise RuntimeError("run() called before plan()")
         k, v = split_kv_cache(kv_cache)
         check_run_tensors(self, plan, q, k)
+        scales = check_kv_scales(k.dtype, k_scale, v_scale)
         if out is None:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1:
@@ -89,7 +105,7 @@ class AttentionBackend(ABC):
                 f"out must be like q ({tuple(q.shape)}, {q.dtype}, {q.device}), got "
                 f"{tuple(out.shape)}, {out.dtype}, {out.device}"
             )
-        self._run(plan, q, kv_cache, k, v, out)
+        self._run(plan, q, kv_cache, k, v, out, scales)
         return out
 
     @property
@@ -113,9 +129,11 @@ class AttentionBackend(ABC):
         k: torch.Tensor,
         v: torch.Tensor,
         out: torch.Tensor,
+        scales: tuple[float, float],
     ) -> None:
         """``run`` on arguments already checked against ``plan``: write the output into ``out``.
-        ``k`` and ``v`` are the [num_pages, page_size, Hkv, D] views of ``kv_cache``."""
+        ``k`` and ``v`` are the [num_pages, page_size, Hkv, D] views of ``kv_cache``; ``scales`` its
+        (k_scale, v_scale), (1, 1) unless it is fp8."""
 
 
 def check_plan_args(num_qo_heads: int, num_kv_heads: int, head_dim: int, sm_scale: float | None) -> float:
@@ -130,16 +148,22 @@ def check_plan_args(num_qo_heads: int, num_kv_heads: int, head_dim: int, sm_scal
     return head_dim**-0.5 if sm_scale is None else float(sm_scale)
 
 
-def check_plan_dtypes(q_dtype: torch.dtype | None, kv_dtype: torch.dtype | None) -> torch.dtype | None:
-    """The planned dtype of q and the KV cache (None: not given)."""
-    if q_dtype is None and kv_dtype is None:
-        return None
-    dtype = q_dtype if q_dtype is not None else kv_dtype
-    if dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"q_dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
-    if kv_dtype is not None and kv_dtype != dtype:
-        raise ValueError(f"kv_dtype ({kv_dtype}) must equal q_dtype ({dtype})")
-    return dtype
+def check_plan_dtypes(
+    q_dtype: torch.dtype | None, kv_dtype: torch.dtype | None
+) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """The planned dtypes of q and of the KV cache (None: not given). A KV dtype other than fp8
+    is q's (either one given stands for both)."""
+    if q_dtype is not None and q_dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"q_dtype must be one of {SUPPORTED_DTYPES}, got {q_dtype}")
+    if kv_dtype is None:
+        return q_dtype, q_dtype
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype}")
+    if kv_dtype == FP8_KV_DTYPE:
+        return q_dtype, kv_dtype
+    if q_dtype is not None and kv_dtype != q_dtype:
+        raise ValueError(f"kv_dtype ({kv_dtype}) must equal q_dtype ({q_dtype}) or be {FP8_KV_DTYPE}")
+    return kv_dtype, kv_dtype
 
 
 def check_run_tensors(backend: AttentionBackend, plan: CascadePlan, q: torch.Tensor, k: torch.Tensor) -> None:
@@ -160,11 +184,16 @@ def check_run_tensors(backend: AttentionBackend, plan: CascadePlan, q: torch.Ten
             f"[num_pages, 2, {plan.page_size}, {backend.num_kv_heads}, {backend.head_dim}] "
             "or (k, v) of [num_pages, page_size, num_kv_heads, head_dim]"
         )
-    dtype = backend.dtype
-    if (dtype is not None and q.dtype != dtype) or q.dtype not in SUPPORTED_DTYPES or k.dtype != q.dtype:
+    dtype, kv_dtype = backend.dtype, backend.kv_dtype
+    if (
+        (dtype is not None and q.dtype != dtype)
+        or (kv_dtype is not None and k.dtype != kv_dtype)
+        or q.dtype not in SUPPORTED_DTYPES
+        or (k.dtype != q.dtype and k.dtype != FP8_KV_DTYPE)
+    ):
         raise ValueError(
-            f"q and kv_cache must share one of {SUPPORTED_DTYPES}"
-            + (f" (planned: {dtype})" if dtype is not None else "")
+            f"q and kv_cache must share one of {SUPPORTED_DTYPES}, or kv_cache be {FP8_KV_DTYPE}"
+            + (f" (planned: {dtype}, {kv_dtype})" if dtype is not None or kv_dtype is not None else "")
             + f", got {q.dtype}, {k.dtype}"
         )
     if q.device != k.device:

@@ -13,6 +13,11 @@ whether FlashInfer's kernels (fa2 or fa3, chosen per device) return a finite out
 for an empty KV segment is not something this backend relies on. With no such gap anywhere,
 ``MultiLevelCascadeAttentionWrapper`` runs the plan as it is.
 
+An fp8 cache (``torch.float8_e4m3fn``, q fp16 or bf16) runs on the same wrappers, planned with
+``kv_data_type`` fp8 and given the layer's ``k_scale`` and ``v_scale`` at ``run`` (FlashInfer picks
+FA2 for it: its FA3 takes fp8 KV only with an fp8 q); shared levels then run level by level on the
+prefill wrappers, whose ``run`` takes the scales, and are merged with FlashInfer's merge.
+
 FlashInfer's lse is base 2; it never leaves this module (FlashInfer's own merge consumes it).
 """
 
@@ -24,7 +29,7 @@ import numpy as np
 import torch
 
 from prefix_cache.attention.base import AttentionBackend, check_pool, in_engine_order, to_planned_order
-from prefix_cache.attention.kv_layout import flashinfer_paged
+from prefix_cache.attention.kv_layout import FP8_KV_DTYPE, flashinfer_paged
 from prefix_cache.attention.triton_backend import checked_levels
 from prefix_cache.planner.plan import CascadeLevel, CascadePlan
 
@@ -75,7 +80,7 @@ def _indptr(counts: np.ndarray) -> np.ndarray:
 
 
 class FlashInferBackend(AttentionBackend):
-    """Cascade attention with FlashInfer on one CUDA device; fp16 and bf16 only.
+    """Cascade attention with FlashInfer on one CUDA device; q fp16 or bf16, KV q's dtype or fp8.
 
     device: the CUDA device of q and kv_cache.
     workspace_bytes: FlashInfer's float workspace (split-KV partial results), shared by all levels,
@@ -108,10 +113,11 @@ class FlashInferBackend(AttentionBackend):
         self._rows: list[torch.Tensor | None] = []
         self._query_order = torch.zeros(0, dtype=torch.int64)
         self._in_order = True
-        self._planned_dtype: torch.dtype | None = None
+        self._planned_dtype: tuple[torch.dtype, torch.dtype] | None = None  # (q, KV) of the wrappers' plans
         self._max_page = -1  # the largest page id the current plan reads
         self._decode = None  # made on first use
         self._decode_wrapper = None  # the decode wrapper when the current plan is plain decode
+        self._planned_kv: torch.dtype | None = None  # the KV dtype the wrappers are being planned for
 
     def _prepare(self, plan: CascadePlan) -> None:
         # FlashInfer's kernels read whatever page ids they are given: the Triton backend's checks,
@@ -135,28 +141,29 @@ class FlashInferBackend(AttentionBackend):
         if self.dtype is not None and plan.num_query_tokens:
             if self.dtype not in _FLASHINFER_DTYPES:
                 raise ValueError(f"the 'flashinfer' attention backend takes fp16 or bf16, got {self.dtype}")
-            self._plan_flashinfer(self.dtype, plan.page_size)
+            self._plan_flashinfer((self.dtype, self.kv_dtype), plan.page_size)
 
-    def _run(self, plan: CascadePlan, q, kv_cache, k, v, out) -> None:
+    def _run(self, plan: CascadePlan, q, kv_cache, k, v, out, scales=(1.0, 1.0)) -> None:
         if q.dtype not in _FLASHINFER_DTYPES:
             raise ValueError(f"the 'flashinfer' attention backend takes fp16 or bf16, got {q.dtype}")
         check_pool(self._device, self._max_page, q, k)
         if plan.num_query_tokens == 0:
             return
-        if self._planned_dtype != q.dtype:
-            self._plan_flashinfer(q.dtype, plan.page_size)
+        if self._planned_dtype != (q.dtype, k.dtype):
+            self._plan_flashinfer((q.dtype, k.dtype), plan.page_size)
         paged = flashinfer_paged(kv_cache, k, v)
+        fp8 = {"k_scale": scales[0], "v_scale": scales[1]} if k.dtype == FP8_KV_DTYPE else {}
         q_planned = q.contiguous() if self._in_order else to_planned_order(q, self._query_order)
         # One-level wrappers write an in-order, contiguous ``out`` themselves: no copy launch.
         direct = self._in_order and len(self._levels) == 1 and out.is_contiguous()
         if self._decode_wrapper is not None:
-            result = self._decode_wrapper.run(q_planned, paged, out=out if direct else None)
+            result = self._decode_wrapper.run(q_planned, paged, out=out if direct else None, **fp8)
         elif direct:
-            result = self._prefill_wrappers[0].run(q_planned, paged, out=out)
+            result = self._prefill_wrappers[0].run(q_planned, paged, out=out, **fp8)
         elif self._use_cascade_wrapper():
             result = self._cascade_wrappers[len(self._levels)].run(q_planned, paged)
         else:
-            result = self._run_levels(q_planned, paged)
+            result = self._run_levels(q_planned, paged, fp8)
         if direct:
             return
         if self._in_order:
@@ -176,14 +183,19 @@ class FlashInferBackend(AttentionBackend):
 
     def _use_cascade_wrapper(self) -> bool:
         """The cascade wrapper runs every level on every query, shared levels non-causal and the last
-        one causal: usable when there are shared levels and no level had to be cut down to fewer rows."""
+        one causal: usable when there are shared levels and no level had to be cut down to fewer
+        rows, and the cache is not fp8 (its ``run`` takes no KV scales)."""
         return (
             len(self._levels) > 1
+            and self._planned_kv != FP8_KV_DTYPE
             and all(rows is None for rows in self._rows)
             and [level.causal for level in self._levels] == [False] * (len(self._levels) - 1) + [True]
         )
 
-    def _plan_flashinfer(self, dtype: torch.dtype, page_size: int) -> None:
+    def _plan_flashinfer(self, dtypes: tuple[torch.dtype, torch.dtype], page_size: int) -> None:
+        """Plan the wrappers for q and KV of ``dtypes``."""
+        dtype, kv_dtype = dtypes
+        self._planned_kv = kv_dtype
         heads = (self.num_qo_heads, self.num_kv_heads, self.head_dim, page_size)
         # Host-side index arrays: FlashInfer reads the indptrs on the host to schedule, then copies.
         arrays = [
@@ -198,7 +210,7 @@ class FlashInferBackend(AttentionBackend):
                 )
             _, kvp, idx, last = arrays[0]
             self._decode.plan(
-                kvp, idx, last, *heads, sm_scale=self.sm_scale, q_data_type=dtype, kv_data_type=dtype
+                kvp, idx, last, *heads, sm_scale=self.sm_scale, q_data_type=dtype, kv_data_type=kv_dtype
             )
             self._decode_wrapper = self._decode
         elif self._use_cascade_wrapper():
@@ -214,7 +226,7 @@ class FlashInferBackend(AttentionBackend):
                 causal=True,  # applied to the last level only
                 sm_scale=self.sm_scale,
                 q_data_type=dtype,
-                kv_data_type=dtype,
+                kv_data_type=kv_dtype,
             )
         else:
             while len(self._prefill_wrappers) < len(self._levels):
@@ -230,20 +242,21 @@ class FlashInferBackend(AttentionBackend):
                     causal=level.causal,
                     sm_scale=self.sm_scale,
                     q_data_type=dtype,
-                    kv_data_type=dtype,
+                    kv_data_type=kv_dtype,
                 )
-        self._planned_dtype = dtype
+        self._planned_dtype = dtypes
 
-    def _run_levels(self, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
-        """Each level on its own rows, merged into the last level's state (which holds every row)."""
+    def _run_levels(self, q: torch.Tensor, kv_cache, fp8: dict) -> torch.Tensor:
+        """Each level on its own rows, merged into the last level's state (which holds every row).
+        fp8: the KV scales for the wrappers' ``run``, or empty."""
         wrappers = self._prefill_wrappers[: len(self._levels)]
-        out, lse = wrappers[-1].run(q, kv_cache, return_lse=True)
+        out, lse = wrappers[-1].run(q, kv_cache, return_lse=True, **fp8)
         for wrapper, rows in zip(wrappers[:-1], self._rows[:-1], strict=True):
             if rows is None:
-                level_out, level_lse = wrapper.run(q, kv_cache, return_lse=True)
+                level_out, level_lse = wrapper.run(q, kv_cache, return_lse=True, **fp8)
                 self._flashinfer.merge_state_in_place(out, lse, level_out, level_lse)
             else:
-                level_out, level_lse = wrapper.run(q.index_select(0, rows), kv_cache, return_lse=True)
+                level_out, level_lse = wrapper.run(q.index_select(0, rows), kv_cache, return_lse=True, **fp8)
                 merged_out, merged_lse = self._flashinfer.merge_state(
                     out.index_select(0, rows), lse.index_select(0, rows), level_out, level_lse
                 )

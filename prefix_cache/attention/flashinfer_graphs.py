@@ -10,6 +10,9 @@ capacity's query rows. Two wrappers, each its own CUDA graph:
 - ``decode`` (every request one query token): FlashInfer's FA2 kernels, which pack a KV head's
   query heads into one tile (what its decode wrapper runs with tensor cores);
 - ``prefill``: FlashInfer's default kernels for the device (FA3 on Hopper).
+
+An fp8 cache runs on the ``decode`` wrapper only (planned with ``kv_data_type`` fp8, ``run`` given
+the layer's scales; the auto backend keeps such prefill plans on Triton).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from prefix_cache.attention.kv_layout import flashinfer_page_ids
+from prefix_cache.attention.kv_layout import FP8_KV_DTYPE, flashinfer_page_ids
 from prefix_cache.attention.triton_backend import GraphCapacity
 from prefix_cache.kernels._common import num_sms
 from prefix_cache.kernels.work import check_level
@@ -47,10 +50,20 @@ class OneLevelGraphs:
         self._rows = 0  # query rows of the current plan
         self.max_page = -1  # the largest page id the current plan reads
 
-    def plan(self, kind: str, level: CascadeLevel, page_size: int, heads: dict, dtype: torch.dtype) -> None:
+    def plan(
+        self,
+        kind: str,
+        level: CascadeLevel,
+        page_size: int,
+        heads: dict,
+        dtypes: tuple[torch.dtype, torch.dtype],
+    ) -> None:
         """Plan ``level`` (causal, its groups in the engine's order, every group with queries) on the
-        ``kind`` wrapper. heads: num_qo_heads, num_kv_heads, head_dim, sm_scale. Raises ValueError
-        when the level does not fit the capacity; the wrapper then keeps its previous plan."""
+        ``kind`` wrapper. heads: num_qo_heads, num_kv_heads, head_dim, sm_scale; dtypes: q's and the
+        KV cache's (q's, or fp8 for ``decode``). Raises ValueError when the level does not fit the
+        capacity; the wrapper then keeps its previous plan."""
+        if dtypes[1] == FP8_KV_DTYPE and kind != "decode":
+            raise ValueError(f"an fp8 KV cache runs on the decode wrapper only, not {kind!r}")
         cap = self._capacity
         arrays = check_level(
             level.qo_indptr, level.kv_indptr, level.kv_indices, level.kv_last_page_len, page_size
@@ -66,13 +79,13 @@ class OneLevelGraphs:
         ):
             if need > have:
                 raise ValueError(f"the plan has {need} {what}, over the backend's capacity of {have}")
-        shape = (*heads.values(), page_size, dtype)
+        shape = (*heads.values(), page_size, dtypes)
         if self._shape is not None and shape != self._shape:
             raise ValueError(
                 f"a fixed-capacity backend's FlashInfer launches keep their heads, head_dim, sm_scale, "
                 f"page_size and dtype {self._shape}; got {shape}: make a new backend"
             )
-        wrapper = self._wrappers.get(kind) or self._make(kind, page_size, heads, dtype)
+        wrapper = self._wrappers.get(kind) or self._make(kind, page_size, heads, dtypes)
         qo = np.full(batch + 1, self._launch_rows(kind, rows), dtype=np.int32)
         qo[: groups + 1] = level.qo_indptr
         kv = np.full(batch + 1, pages, dtype=np.int32)
@@ -80,7 +93,7 @@ class OneLevelGraphs:
         last = np.zeros(batch, dtype=np.int32)
         last[:groups] = level.kv_last_page_len
         indices = level.kv_indices[:pages].astype(np.int32)
-        self._plan_wrapper(wrapper, qo, kv, indices, last, page_size, heads, dtype, kind != "decode")
+        self._plan_wrapper(wrapper, qo, kv, indices, last, page_size, heads, dtypes, kind != "decode")
         self._planned_rows.fill_(rows)
         self._shape = shape
         self._rows = rows
@@ -93,14 +106,15 @@ class OneLevelGraphs:
         one): there, a padding request owns the rows past the plan's, with no KV (FA3 writes zeros)."""
         return rows if kind == "decode" else self._capacity.max_query_tokens
 
-    def run(self, kind: str, q: torch.Tensor, paged, out: torch.Tensor) -> None:
+    def run(self, kind: str, q: torch.Tensor, paged, out: torch.Tensor, scales: tuple[float, float]) -> None:
         """Write the planned rows of ``out`` (engine order). Rows past the plan's are left as they
         were, except on the prefill wrapper into a contiguous ``out`` of the capacity's rows, which
         writes the padding request's rows (zeros with FA3). FA2 writes a contiguous output only, and
         FA3 needs q and its output with the capacity's rows: any other ``q`` or ``out`` goes through
         buffers of the capacity's rows, the planned rows selected by a count on the device (a replay
-        selects the current plan's)."""
+        selects the current plan's). scales: an fp8 cache's (k_scale, v_scale)."""
         wrapper = self._wrappers[kind]
+        fp8 = {"k_scale": scales[0], "v_scale": scales[1]} if self._shape[-1][1] == FP8_KV_DTYPE else {}
         launch = self._launch_rows(kind, self._rows)
         if q.shape[0] < launch:
             q_in = self._buffer("q", q)
@@ -108,10 +122,10 @@ class OneLevelGraphs:
         else:
             q_in = q[:launch]
         if out.is_contiguous() and out.shape[0] >= launch:
-            wrapper.run(q_in, paged, out=out[:launch])
+            wrapper.run(q_in, paged, out=out[:launch], **fp8)
             return
         result = self._buffer("out", out)
-        wrapper.run(q_in, paged, out=result[:launch])
+        wrapper.run(q_in, paged, out=result[:launch], **fp8)
         n = out.shape[0]
         planned = self._row_ids[:n] < self._planned_rows
         torch.where(planned[:, None, None], result[:n], out, out=out)
@@ -124,7 +138,7 @@ class OneLevelGraphs:
             self._buffers[name] = torch.zeros(shape, dtype=like.dtype, device=like.device)
         return self._buffers[name]
 
-    def _make(self, kind: str, page_size: int, heads: dict, dtype: torch.dtype):
+    def _make(self, kind: str, page_size: int, heads: dict, dtypes: tuple[torch.dtype, torch.dtype]):
         cap, device = self._capacity, self._device
         batch = cap.max_query_tokens
         wrapper = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(
@@ -147,7 +161,7 @@ class OneLevelGraphs:
         qo[0] = 0
         zeros = np.zeros(batch + 1, dtype=np.int32)
         causal = kind != "decode"
-        self._plan_wrapper(wrapper, qo, zeros, zeros[:0], zeros[:batch], page_size, heads, dtype, causal)
+        self._plan_wrapper(wrapper, qo, zeros, zeros[:0], zeros[:batch], page_size, heads, dtypes, causal)
         self._wrappers[kind] = wrapper
         return wrapper
 
@@ -168,7 +182,7 @@ class OneLevelGraphs:
         return heads["num_qo_heads"] * grid * tile * (heads["head_dim"] + 1) * 4 * 5 // 4
 
     def _plan_wrapper(
-        self, wrapper, qo, kv, indices, last, page_size: int, heads: dict, dtype: torch.dtype, causal: bool
+        self, wrapper, qo, kv, indices, last, page_size: int, heads: dict, dtypes: tuple, causal: bool
     ) -> None:
         # Decode (one query per request) sees all of its KV: planned without the causal mask's
         # work, as FlashInfer's decode wrapper does.
@@ -183,6 +197,6 @@ class OneLevelGraphs:
             page_size,
             causal=causal,
             sm_scale=heads["sm_scale"],
-            q_data_type=dtype,
-            kv_data_type=dtype,
+            q_data_type=dtypes[0],
+            kv_data_type=dtypes[1],
         )

@@ -100,10 +100,11 @@ class SharedLevelsOnFlashInfer:
         self, levels: list[LevelArrays], causal: list[bool], heads: tuple[int, int], head_dim: int, dtype
     ) -> int | None:
         """The index of the level of ``levels`` (checked index arrays; ``causal`` per level) this
-        runs for q of ``dtype``, ``heads`` (query heads, KV heads) and ``head_dim``, or None. One
-        level at most: a token's states here are one run of rows (``plan``'s table), and the last
-        level is left to the Triton kernels, which write every token's own KV. Among the levels the
-        rule admits, the one with the most query x KV work. FA3 takes fp16 and bf16, and the head
+        runs for q and KV of ``dtype`` (the KV's: an fp8 cache takes nothing), ``heads`` (query
+        heads, KV heads) and ``head_dim``, or None. One level at most: a token's states here are
+        one run of rows (``plan``'s table), and the last level is left to the Triton kernels, which
+        write every token's own KV. Among the levels the rule admits, the one with the most query x
+        KV work. FA3 takes fp16 and bf16, and the head
         dims of ``FA3_HEAD_DIMS``."""
         if dtype not in (torch.float16, torch.bfloat16) or head_dim not in FA3_HEAD_DIMS:
             return None

@@ -6,11 +6,46 @@ contiguous works; ``split_kv_cache`` says which forms are accepted and returns t
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
 #: A KV cache: one ``[num_pages, 2, page_size, H, D]`` tensor or a ``(k_cache, v_cache)`` pair.
 KVCache = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+#: The 8-bit KV dtype (e4m3, no infinities): each layer's K and V are stored as ``x / scale``, one
+#: scale per layer for K and one for V, and read back as ``stored * scale``.
+FP8_KV_DTYPE = torch.float8_e4m3fn
+#: Its largest finite value: quantizing saturates there.
+FP8_MAX = 448.0
+
+
+def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``x`` (any float dtype) as stored in an fp8 cache with dequantization scale ``scale``:
+    ``x * float32(1 / scale)`` in float32, saturated at +-``FP8_MAX``, rounded to the nearest e4m3
+    value (ties to even). The torch form of what ``append_kv`` writes, bit for bit."""
+    inverse = torch.tensor(1.0 / scale, dtype=torch.float32, device=x.device)
+    return (x.float() * inverse).clamp(-FP8_MAX, FP8_MAX).to(FP8_KV_DTYPE)
+
+
+def check_kv_scales(
+    kv_dtype: torch.dtype, k_scale: float | None, v_scale: float | None
+) -> tuple[float, float]:
+    """(k_scale, v_scale) as floats for a KV cache of ``kv_dtype``: for an fp8 cache each is 1 when
+    not given, else must be positive and finite; another cache takes none (1, 1). ValueError
+    naming the bad argument otherwise."""
+    if kv_dtype != FP8_KV_DTYPE:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(f"k_scale and v_scale are for an fp8 KV cache, this one is {kv_dtype}")
+        return 1.0, 1.0
+    scales = []
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        value = 1.0 if scale is None else float(scale)
+        if not (math.isfinite(value) and value > 0.0):
+            raise ValueError(f"{name} must be a positive finite number, got {scale}")
+        scales.append(value)
+    return scales[0], scales[1]
 
 
 def flashinfer_paged(kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor) -> KVCache:

@@ -12,7 +12,8 @@ from prefix_cache.planner.plan import CascadeLevel, CascadePlan
 
 class TorchBackend(AttentionBackend):
     """Per level and group: gather the group's pages, softmax attention in float32, then merge the
-    levels by their log-sum-exp. One Python iteration per group: for tests and small batches."""
+    levels by their log-sum-exp. One Python iteration per group: for tests and small batches. An
+    fp8 cache is read as stored value x the layer's scale, in float32."""
 
     name = "torch"
 
@@ -35,20 +36,33 @@ class TorchBackend(AttentionBackend):
         self._query_order = torch.from_numpy(plan.query_order).to(self._device)
 
     def _run(
-        self, plan: CascadePlan, q, kv_cache, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
+        self,
+        plan: CascadePlan,
+        q,
+        kv_cache,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        scales: tuple[float, float] = (1.0, 1.0),
     ) -> None:
         check_pool(q.device, self._max_page, q, k)
         query_order = self._query_order.to(q.device)
         q_planned = to_planned_order(q, query_order).float()
-        states = [self._attend_level(level, q_planned, k, v) for level in plan.levels]
+        states = [self._attend_level(level, q_planned, k, v, scales) for level in plan.levels]
         merged, _ = merge_states([o for o, _ in states], [s for _, s in states])
         out.index_copy_(0, query_order, merged.to(q.dtype))
 
     def _attend_level(
-        self, level: CascadeLevel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+        self,
+        level: CascadeLevel,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scales: tuple[float, float],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(out [T, Hq, D], lse [T, Hq]) of one level, float32; rows of groups without KV: 0, -inf.
-        k_cache, v_cache: [num_pages, page_size, Hkv, D]."""
+        k_cache, v_cache: [num_pages, page_size, Hkv, D]; scales: their (k_scale, v_scale)."""
+        k_scale, v_scale = scales
         out = torch.zeros_like(q)
         lse = torch.full(q.shape[:2], float("-inf"), device=q.device)
         page_size = k_cache.shape[1]
@@ -59,8 +73,8 @@ class TorchBackend(AttentionBackend):
             if q0 == q1 or p0 == p1:
                 continue
             kv_len = (p1 - p0 - 1) * page_size + int(level.kv_last_page_len[g])
-            k = k_cache[pages[p0:p1]].float().flatten(0, 1)[:kv_len]  # [kv_len, Hkv, D]
-            v = v_cache[pages[p0:p1]].float().flatten(0, 1)[:kv_len]
+            k = k_cache[pages[p0:p1]].float().flatten(0, 1)[:kv_len] * k_scale  # [kv_len, Hkv, D]
+            v = v_cache[pages[p0:p1]].float().flatten(0, 1)[:kv_len] * v_scale
             out[q0:q1], lse[q0:q1] = self._attend(q[q0:q1], k, v, level.causal)
         return out, lse
 

@@ -218,7 +218,10 @@ class TritonBackend(AttentionBackend):
         causal = [level.causal for level in plan.levels]
         external, ext = self._shared_levels, None
         heads = (self.num_qo_heads, self.num_kv_heads)
-        taken = None if external is None else external.take(levels, causal, heads, self.head_dim, self.dtype)
+        # The KV's dtype: FA3 takes no fp8 cache beside a q of 16 bits.
+        taken = (
+            None if external is None else external.take(levels, causal, heads, self.head_dim, self.kv_dtype)
+        )
         if taken is not None:
             ext = external.plan(
                 levels[taken], plan.levels[taken].kv_last_page_len, order, plan.page_size,
@@ -422,7 +425,7 @@ class TritonBackend(AttentionBackend):
                 self._merge_narrow = merge(after_attention=True) if pdl else self._merge_launch
         self._launch_key = key
 
-    def _run(self, plan, q, kv_cache, k, v, out) -> None:
+    def _run(self, plan, q, kv_cache, k, v, out, scales=(1.0, 1.0)) -> None:
         check_pool(self.device, self._max_page, q, k)
         if plan.num_query_tokens == 0 and self.capacity is None:
             return
@@ -434,13 +437,21 @@ class TritonBackend(AttentionBackend):
             self._bind_launches(q.dtype, plan.page_size)
         if self._external:
             self._shared_levels.run(q, flashinfer_paged(kv_cache, k, v))
-        self.launch_levels(q, k, v, out)
+        self.launch_levels(q, k, v, out, scales)
         if self._merges:
             self.merge(out)
 
-    def launch_levels(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
+    def launch_levels(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        scales: tuple[float, float] = (1.0, 1.0),
+    ) -> None:
         """The attention launches of the plan (arguments checked by ``run``, launches bound to q's
-        dtype).
+        dtype; ``scales``: an fp8 cache's (k_scale, v_scale), folded into the softmax scale and the
+        output).
 
         While a CUDA graph is captured, the second launch (the middle or the wide tile's) goes to a
         side stream, joined before the merge: the two write disjoint rows, and as parallel branches
@@ -458,10 +469,12 @@ class TritonBackend(AttentionBackend):
         if side is not None:
             main = torch.cuda.current_stream(self.device)
             side.wait_stream(main)
+        k_scale, v_scale = scales
+        qk_scale = self._qk_scale * k_scale
         for i, (launch, bound) in enumerate(launches):
             args = (
                 q, self._q_rows, k, v, self._kv_indices, launch.work, launch.num_work, self._o_rows,
-                self._part_o, self._part_lse, out, self._qk_scale,
+                self._part_o, self._part_lse, out, qk_scale, v_scale,
             )  # fmt: skip
             if side is not None and i == len(launches) - 1:
                 with torch.cuda.stream(side):

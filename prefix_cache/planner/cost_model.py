@@ -32,11 +32,13 @@ the steps the model was calibrated on. Tests hold the counts to the backend's.
 
 The numbers are fitted to times measured by ``benchmarks/calibrate_planner.py`` (one model shape:
 Llama-3-8B heads, 32 query / 8 KV heads of 128) and kept as data in ``prefix_cache/planner/data/``; rerun it
-to calibrate another GPU or shape.
+to calibrate another GPU or shape. The calibration read a bf16 cache; ``for_kv_itemsize`` gives the
+model of a cache of other element bytes (an fp8 cache: 1), its memory traffic per KV token scaled.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import json
@@ -107,6 +109,8 @@ class CostModel:
     item_us: float = 0.0
     kv_tile_tokens: tuple[int, ...] = (64, 64, 64, 128)
     source: str = ""
+    #: Bytes per K or V element of the cache the coefficients describe (the calibration's bf16).
+    kv_itemsize: int = 2
 
     def __post_init__(self) -> None:
         tiles = (self.max_rows // self.min_rows).bit_length()  # min_rows, 2 x min_rows, ..., max_rows
@@ -121,6 +125,16 @@ class CostModel:
         ratio = Fraction(self.sms_per_kv_head).limit_denominator(256)
         object.__setattr__(self, "_sm_num", ratio.numerator)
         object.__setattr__(self, "_sm_den", ratio.denominator)
+
+    def for_kv_itemsize(self, itemsize: int) -> CostModel:
+        """This model for a cache of ``itemsize`` bytes per K or V element: ``kv_token_us`` (the time
+        of reading a KV token) scaled by the bytes, everything else as it is (the kernels' tiles,
+        steps and tensor-core work do not change with the KV dtype; an fp8 cache is dequantized to
+        q's dtype in registers)."""
+        if itemsize < 1:
+            raise ValueError(f"itemsize must be >= 1, got {itemsize}")
+        scaled = self.kv_token_us * itemsize / self.kv_itemsize
+        return dataclasses.replace(self, kv_token_us=scaled, kv_itemsize=itemsize)
 
     def time_us(self, features: PlanFeatures) -> float:
         """Estimated GPU time of a plan with these features, per layer."""
