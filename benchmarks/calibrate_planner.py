@@ -74,8 +74,8 @@ def _break_even() -> tuple:
     ]
     cases += [case(f"p64 1024 x {n}, 256 own", ((1, 1024),), n, (256,), (1,), page_size=64) for n in (8, 16)]
     # Prefixes of 257-1536 tokens that stay unsplit on one side and not the other: the grid above
-    # has none, and a model fitted without them misjudged such batches by up to 1.12x (NOTES.md,
-    # attempt 26).
+    # has none, and a model fitted without them misjudged such batches (NOTES.md, "what the cost
+    # model misses, on batches it never saw").
     unsplit = [(16, p, n, own) for p in (256, 384, 768) for n in (20, 28, 40) for own in (128, 1024)]
     longer = (320, 448, 640, 896, 1536)
     unsplit += [(16, p, n, own) for p in longer for n in (10, 18, 36) for own in (96, 384)]

@@ -1,12 +1,13 @@
 """Launching compiled Triton kernels without Triton's per-call Python path.
 
 ``kernel[grid](*args, **constants)`` binds the arguments, derives their specialization, looks the
-compiled kernel up and only then launches: 45-85 µs per launch of our ~30-argument attention kernel
-on an H200's host. A ``BoundKernel`` fixes the grid and the compile-time constants once (per plan)
-and remembers, per specialization of the arguments, the ``CompiledKernel`` that Triton's own path
-returned for it: later calls with the same specialization go straight to that kernel's launcher.
-The attention and merge launches pass their key in parts: their plan's buffers, the same objects for
-every layer, are read once (``CachedSpecialization``), the layer's tensors at every call.
+compiled kernel up and only then launches: for our ~30-argument attention kernel that Python path,
+not the launch, is most of a launch's host time. A ``BoundKernel`` fixes the grid and the
+compile-time constants once (per plan) and remembers, per specialization of the arguments, the
+``CompiledKernel`` that Triton's own path returned for it: later calls with the same specialization
+go straight to that kernel's launcher. The attention and merge launches pass their key in parts:
+their plan's buffers, the same objects for every layer, are read once (``CachedSpecialization``),
+the layer's tensors at every call.
 
 The specialization key is conservative: every tensor's dtype and address modulo 16 and every other
 argument's exact value (Triton specializes on a tensor's dtype and 16-byte alignment, and on an

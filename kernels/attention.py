@@ -78,8 +78,8 @@ def _kv_tile(
         page = page.to(tl.int64)
     if WIDE_OFFSETS > 1:
         # Only where the slot's term alone reaches 2**31 (slot-major pools): on an NHD pool past
-        # 2**31 elements a one-level decode ran 34.9-35.1 µs on the H200 with both terms in 64 bits,
-        # 25.4-25.6 with the page's alone (benchmarks/NOTES.md, attempt 43).
+        # 2**31 elements a one-level decode ran markedly slower with both terms in 64 bits than with
+        # the page's alone (benchmarks/NOTES.md, "only the page's term in 64 bits").
         slot = slot.to(tl.int64)
     k_ptrs = k_head + (page * stride_k_page + slot * stride_k_slot)[:, None] + offs_d[None, :]
     v_ptrs = v_head + (page * stride_v_page + slot * stride_v_slot)[:, None] + offs_d[None, :]
@@ -204,10 +204,10 @@ def _attention_kernel(
         v_head = v_ptr + kv_head.to(tl.int64) * stride_v_head
         # KV tiles that every row of the tile sees whole (before kv_hi and at or below the first
         # token's diagonal) run without masks; the rest (the diagonal, the ragged end) with them.
-        # Only for tiles of many rows (prefill, shared levels: 6-14% less GPU time on the H200) and
-        # d256 decode tiles (on 4 warps: 3-8% less on d256 decodes and cascades, attempt 41); decode
-        # tiles of 16 rows up to head dim 128 keep the one masked loop, which measured faster on
-        # long decodes (benchmarks/NOTES.md, attempt 8).
+        # Only for tiles of many rows (prefill, shared levels) and d256 decode tiles (on 4 warps),
+        # where it measured faster; decode tiles of 16 rows up to head dim 128 keep the one masked
+        # loop, which measured faster on long decodes (benchmarks/NOTES.md, "KV tiles without
+        # masks" and "32-bit K/V offsets; d256 decode tiles on 4 warps").
         full_hi = kv0
         if BLOCK_M > 16 or BLOCK_D > 128:
             full_hi = kv0 + tl.maximum(tl.minimum(kv_hi, q0 + diag + 1) - kv0, 0) // BLOCK_N * BLOCK_N
@@ -322,8 +322,8 @@ def offset_widths(k: torch.Tensor, v: torch.Tensor) -> int:
     while the last element of each lies less than 2**31 elements past its first (offsets are taken
     from each view's own first element, wherever its storage starts); 1, the page's term, past that;
     2, the slot's term too, where (page_size - 1) x the slot stride alone reaches 2**31 (slot-major
-    pools). 32-bit offsets take 0-13% off the GPU time on the H200 (prefill most, decode of long
-    shared prefixes 3-10%; benchmarks/NOTES.md, attempt 41)."""
+    pools). 32-bit offsets are cheaper to compute than 64-bit ones, most of all in prefill, and
+    where they suffice the kernel uses them (benchmarks/NOTES.md, "32-bit K/V offsets")."""
     if _extent(k.shape, k.stride()) <= 2**31 and _extent(v.shape, v.stride()) <= 2**31:
         return 0
     slot_span = max((k.shape[1] - 1) * k.stride()[1], (v.shape[1] - 1) * v.stride()[1])

@@ -23,9 +23,9 @@ def _fold_rows(
 ):  # fmt: skip
     """Fold the ``count`` partial rows ``start + i * step`` into the running (max, denominator,
     weighted sum) of a tile of heads. Two rows per step: both loads are in flight at once, which
-    halves the chain of dependent loads of a token with many rows (few tokens split many ways: SmolLM2
-    1.5 µs less of 33 on the H200, benchmarks/NOTES.md attempt 33; batches of hundreds of tokens as
-    before)."""
+    halves the chain of dependent loads of a token with many rows, which shortens plans of few
+    tokens split many ways and leaves batches of hundreds of tokens as they were
+    (benchmarks/NOTES.md, "two partial rows per step")."""
     for i in range(0, count, 2):
         row = start + i * step
         s0, o0 = _load_row(
@@ -262,7 +262,7 @@ class MergeLaunch:
     dependent launch (``dependent_launches``), its programs start while the attention launch before
     it (``AttentionLaunch``'s ``before_merge``) ends and wait in the kernel for its results (they
     read the plan's tables before the wait): part of the gap between the two launches is hidden
-    (benchmarks/NOTES.md, attempt 33).
+    (benchmarks/NOTES.md, "the merge launched as a dependent of its attention launch").
     """
 
     def __init__(

@@ -49,7 +49,8 @@ class TileConfig:
         """Programs of this shape one SM holds at once (registers and shared memory of the sm_90
         builds: 1 at 128 rows, 2 at 64, 4 below). Nominal at head dims over 128: the d256 decode tile
         fits 2 per SM (198 registers x 128 threads on 4 warps); splits and fixed grids were measured
-        with these counts (benchmarks/NOTES.md, attempts 39-41)."""
+        with these counts, so they stay (benchmarks/NOTES.md, "d256 decode tiles on 8 warps" and
+        "32-bit K/V offsets")."""
         return 1 if self.block_m >= 128 else 2 if self.block_m >= 64 else 4
 
 
@@ -61,7 +62,8 @@ def tile_config(max_rows: int, group_size: int, head_dim: int, page_size: int) -
 
 def tile_configs(max_rows: Sequence[int], group_size: int, head_dim: int, page_size: int) -> list[TileConfig]:
     """``tile_config`` of each of ``max_rows`` (a plan's levels), looking at the environment once: for
-    an unset variable ``os.environ`` raises and catches a KeyError (1 µs alone on a 2-core EPYC)."""
+    an unset variable ``os.environ`` raises and catches a KeyError, a cost per call comparable to
+    the rest of a remembered lookup."""
     interpreted = interpreting()
     return [_tile_config(next_pow2(rows), group_size, head_dim, page_size, interpreted) for rows in max_rows]
 
@@ -69,7 +71,7 @@ def tile_configs(max_rows: Sequence[int], group_size: int, head_dim: int, page_s
 @functools.lru_cache(maxsize=256)
 def _tile_config(rows: int, group_size: int, head_dim: int, page_size: int, interpreted: bool) -> TileConfig:
     """``tile_config`` for ``rows`` query rows, a power of two. Remembered: a plan asks for a tile per
-    level, ~7 µs each to make on a 2-core EPYC, ~2 µs remembered."""
+    level, and looking one up costs a fraction of making it."""
     block_d = max(16, next_pow2(head_dim))
     floor_m = max(16, next_pow2(group_size))
     if interpreted:
@@ -79,16 +81,16 @@ def _tile_config(rows: int, group_size: int, head_dim: int, page_size: int, inte
     cap_m = 128 if block_d <= 128 else 64
     block_m = max(floor_m, min(rows, cap_m))
     # Decode tiles (16 rows) over pages of 16+ tokens: two KV stages, not three, so more programs
-    # stay resident per SM (an H200 sweep: 4-21% less GPU time on the unique levels of shared
-    # batches, 4-7% more on a few small one-level batches; pages of 1 token lost 22% and keep three).
-    # Tiles of 128 rows read 128 KV tokens per step in two stages: 10-14% less GPU time on prefill
-    # and on the long shared prefix, the same elsewhere. benchmarks/NOTES.md, attempts 7 and 8.
-    # Head dims over 128 read 32 KV tokens per step, except decode tiles, which read 64: 26-33% less
-    # GPU time on long d256 decodes, 4% on 8 x 1024, a shared-prefix cascade within 2%; 64 on the
-    # wider tiles cost d256 prefill 8-31% (attempt 21). Those d256 decode tiles run 4 warps and
-    # their whole KV tiles without masks (``_attention_kernel``): with 32-bit K/V offsets, 3-8% less
-    # GPU time than 8 warps on d256 decodes and cascades, 6% on 64 x 2048 (attempt 41; with 64-bit
-    # offsets 8 warps had measured 2-5% faster, attempt 39).
+    # stay resident per SM, which the unique levels of shared batches gain from more than a few
+    # small one-level batches lose; pages of 1 token lost with two and keep three. Tiles of 128
+    # rows read 128 KV tokens per step in two stages, which helps prefill and long shared prefixes
+    # and nothing else changes (benchmarks/NOTES.md, "tile sweep on the H200" and "KV tiles without
+    # masks, 128-row tiles over 128 KV tokens"). Head dims over 128 read 32 KV tokens per step,
+    # except decode tiles, which read 64: long d256 decodes gain most, while 64 on the wider tiles
+    # slowed d256 prefill ("where the losing batches spend their GPU time"). Those d256 decode tiles
+    # run 4 warps and their whole KV tiles without masks (``_attention_kernel``): with 32-bit K/V
+    # offsets that beat 8 warps on d256 decodes and cascades, though with 64-bit offsets 8 warps had
+    # been faster ("32-bit K/V offsets; d256 decode tiles on 4 warps").
     wide = block_m >= 128
     stages = 2 if block_d > 128 or wide or (block_m <= 16 and page_size >= 16) else 3
     return TileConfig(
@@ -103,9 +105,8 @@ def fixed_tile_configs(group_size: int, head_dim: int, page_size: int) -> tuple[
     """The tiles of a fixed-launch (CUDA-graph) schedule, narrowest first: the narrow tile fits one
     query token of a group (decode), the wide one is the largest, for groups of many queries, and
     between them, where it differs from both, the tile of half the wide one's rows, for levels whose
-    groups fill at most that. On the wide tile, half empty, 16 prefixes of 2048 x 16 decodes (64
-    rows per group) replayed 13% slower than on 64-row tiles on the H200, MHA 32/32 (32 rows) 4%
-    slower (benchmarks/NOTES.md, attempt 36)."""
+    groups fill at most that: on the wide tile, half empty, such levels replayed slower than on
+    tiles of their own width (benchmarks/NOTES.md, "a middle tile under a capacity")."""
     narrow, wide = tile_configs([1, 1 << 20], group_size, head_dim, page_size)
     middle = tile_configs([wide.block_m // 2], group_size, head_dim, page_size)[0]
     return tuple(dict.fromkeys((narrow, middle, wide)))
@@ -116,15 +117,13 @@ def fixed_tile_configs(group_size: int, head_dim: int, page_size: int) -> tuple[
 # whose programs number from LONE_DECODE_MIN_PROGRAMS up to one wave of the device's resident
 # programs, each reading at most LONE_DECODE_MAX_ITEM_TOKENS KV tokens, runs on the same rows
 # reading 32 KV tokens per step in three stages (``lone_decode_tile``): each program then has 4
-# short steps in flight rather than 2 long ones, where nothing else runs beside it. On the H200
-# (32/8 d128), one-level decodes of 512 programs of 128 tokens replayed 5-6% faster (8 x 1024, 2 x
-# 4096, 16 x 512, 32 x 256; the same at page 64), 8 x 1024 at 16/8, 64/8 and 128/8 heads 7-11%;
-# split items of 192-256 tokens at most 12-26% slower (32 x 320, 16 x 768, 16 x 832, 16 x 1024: six
-# calibration batches, benchmarks/results/calibration_h200_lone256.json against
-# calibration_h200.json), unsplit ones of 256-512 tokens 0-1% (64 x 256, 64 x 512, 32 x 1024), and
-# of 2-4.6k tokens 20-24% slower (64 x 4608, 32 x 4352 at page 64); fewer programs lost up to 10%
-# (1 x 256, 8 x 256, d64 8 x 1024), more than a wave 5-7% (96 x 256, 512 x 256), every cascade
-# 1-11%, and MHA (8/8) 15-17% (benchmarks/NOTES.md, attempts 37, 38 and 42).
+# short steps in flight rather than 2 long ones, where nothing else runs beside it. One-level
+# decodes that fill one wave with items of up to 128 tokens replayed faster so, at several GQA
+# shapes and page sizes. Everything else measured lost and stays on the decode tile: longer items
+# (split ones of 192-256 tokens most, unsplit ones of 256-512 about even, long unsplit ones
+# clearly), fewer programs than a wave, more than a wave, every cascade, and MHA
+# (benchmarks/NOTES.md, "a tile of its own for a lone level of decodes that fills one wave" and
+# "the lone decode tile only for items of up to 128 KV tokens").
 LONE_DECODE_MIN_PROGRAMS = 512
 LONE_DECODE_MAX_ITEM_TOKENS = 128
 
@@ -174,7 +173,7 @@ def end_to_end(levels: Sequence[LevelArrays]) -> tuple[np.ndarray, np.ndarray, l
     """(q_len, kv_len, starts): the levels' groups laid end to end (int64), each level closed by one
     group without queries or KV, and where each level starts. A sum or a maximum per level over
     non-negative values is then one ``reduceat`` at ``starts``, whatever the levels hold (a level
-    without groups reads its closing group only): numpy's 1-2 µs per call, not the data, is the
+    without groups reads its closing group only): numpy's fixed cost per call, not the data, is the
     cost of a plan's few hundred groups."""
     closing = np.zeros(1, dtype=np.int64)
     q_len = np.concatenate([a for level in levels for a in (level.q_len, closing)] or [closing[:0]])
@@ -259,9 +258,9 @@ LevelIndices = tuple[np.ndarray | torch.Tensor, ...]
 def check_levels(levels: Sequence[LevelIndices], page_size: int) -> list[LevelArrays]:
     """``check_level`` of each level, in order: the same arrays, and the same error for the first
     level it rejects. A plan's levels are checked together in ~20 numpy calls and one pass over each
-    level's page ids, instead of ~30 calls per level (numpy's 1-2 µs per call is the cost on arrays
-    of a few hundred groups); anything else (tensors, non-integer arrays, any check that fails) goes
-    through ``check_level`` level by level, which raises its error."""
+    level's page ids, instead of ~30 calls per level (numpy's fixed cost per call is the cost on
+    arrays of a few hundred groups); anything else (tensors, non-integer arrays, any check that
+    fails) goes through ``check_level`` level by level, which raises its error."""
     checked = _check_together(levels, page_size)
     if checked is None:
         checked = [check_level(*level, page_size) for level in levels]
@@ -406,7 +405,7 @@ def levels_work(
         raise ValueError(
             f"{len(levels)} levels need as many causal flags and tiles, got {len(causal)} and {len(tiles)}"
         )
-    # Every array here is a few hundred entries: numpy's cost per call (1-2 µs) is the cost, so the
+    # Every array here is a few hundred entries: numpy's fixed cost per call is the cost, so the
     # work is laid out for few calls. One row per group holds the item columns, then per-level
     # constants (M tile in query tokens, level, KV tile; the M tile, KV tile and split chunk also
     # negated, for ceilings as -(a // -b)) and the group's first item; it is repeated once per item.

@@ -14,7 +14,8 @@ come from the side-by-side measurements in benchmarks/results/attention_h200.md)
   KV split by hand, merged with our kernels' other levels
   (``prefix_cache.attention.flashinfer_levels``; ``route`` is then ``"triton+fa3"``). A cascade
   with prefill chunks whose shared level FA3 takes runs there too, not on FlashInfer's cascade
-  wrapper: 0.79-0.89x its time on the H200 (benchmarks/NOTES.md, attempt 20).
+  wrapper: FA3 on the long level beside our launches ran faster than that wrapper on every such
+  batch measured (benchmarks/NOTES.md, "FA3 levels under a capacity").
 
 FlashInfer is used only where it is importable, the device is CUDA and ``plan`` was given
 ``q_dtype`` (fp16 or bf16). An fp8 cache (``kv_dtype=torch.float8_e4m3fn``) takes the same routes
@@ -60,27 +61,27 @@ class Routing:
         wrapper when the GQA group (query heads per KV head) is at most this; 0 never.
     graph_triton_decodes: under a ``GraphCapacity``, such decode plans of at least this many
         requests stay on our Triton kernels: FlashInfer's CUDA-graph mode splits every request's KV
-        and pads its grid to the capacity. On the H200 decodes of 16-512 requests replayed 0-13%
-        faster on Triton (512 x 2048 tokens 0.7% slower; benchmarks/NOTES.md, attempt 36), and since
-        a lone level splits from 128 tokens (attempt 37), 8 x 256 and 8 x 1024 replayed in 15.4-15.6
-        and 24.7-24.9 µs on Triton against 17.8 and 26 on FlashInfer's graph (an earlier process).
+        and pads its grid to the capacity, where our fixed launches split only what fills the
+        device; from this many requests up, and at head dims up to 128 (where a lone level splits
+        from ``kv_split.ONE_LEVEL_MIN_SPLIT_TOKENS``), our launches replayed as fast or faster
+        (benchmarks/NOTES.md, "routes of one-level decodes replayed in graphs" and "a lone level of
+        decodes splits from 128 tokens").
     graph_triton_decodes_large_heads: ``graph_triton_decodes`` for head dims over 128, whose lone
-        levels keep splits from 256 tokens (``kv_split.min_split_tokens``): attempt 36's threshold.
+        levels keep the longer split floor (``kv_split.min_split_tokens``), so FlashInfer's graph
+        stays ahead up to more requests.
     graph_fa3_decodes, graph_fa3_decode_kv: under a ``GraphCapacity``, such decode plans of at most
         ``graph_fa3_decodes`` requests, none over ``graph_fa3_decode_kv`` KV tokens, run on
-        FlashInfer's prefill kernels (FA3 on Hopper), which do not split: 1 x 64 to 2 x 256 replayed
-        2-3.5 µs (13-26%) faster than on its split decode kernels, 1 x 1024 and 8 x 256 slower.
+        FlashInfer's prefill kernels (FA3 on Hopper), which do not split: on one or two short
+        requests that beats its split decode kernels' fixed cost, while longer KV or more requests
+        ran slower on it.
     eager_flat_kv_bytes: without a capacity, a decode cascade whose one-level plan reads at most
         this many bytes of K and V runs as that plan on FlashInfer's decode wrapper (GQA groups up
-        to ``decode_max_group``); 0 never. Eager, such a batch is bound by host time: on the H200
-        machine's host a Triton launch costs ~15 µs and FlashInfer's decode wrapper ~22 (attempt
-        43), so the one launch wins while the one level's GPU time stays under our launches' host
-        time. There (benchmarks/results/eager_routes_h200.md, per eager layer against the Triton
-        route and the wrapper called directly): 512 tokens shared by 32 decodes 42.9 µs against
-        68.6 and 28.5, page size 1's 1024 x 16 48.6 against 65.5 and 34.4, and SmolLM2's 4096 x 64
-        (204 MiB as one level) 49.1 against 86.7 and 48.9, while their GPU time grew from 15.4 to
-        17.4, 13.4 to 18.9 and 20.2 to 47.8 µs (the one level reads the shared pages once per
-        request). 256 MiB take ~63 µs at 4.25 TB/s.
+        to ``decode_max_group``); 0 never. Eager, such a batch is bound by host time: FlashInfer's
+        one decode launch costs the host less than our attention and merge launches, so it wins
+        while the one level's GPU time, which grows because it reads the shared pages once per
+        request, stays under our launches' host time. The default is about the bytes the device
+        copies in that host time (benchmarks/NOTES.md, "the eager flat route up to 256 MiB"; per
+        batch in benchmarks/results/eager_routes_h200.md).
     """
 
     prefill_min_tokens: int = 64

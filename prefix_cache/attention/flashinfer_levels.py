@@ -3,11 +3,12 @@
 A shared level with many query rows over a long prefix is compute-bound. FlashInfer's FA3 paged
 prefill runs one program per (128 query rows, KV head) and never splits the KV: a prefix of 32768
 tokens shared by 128 decoding requests (512 rows per KV head, 8 KV heads) is 32 programs on 132 SMs,
-154 TFLOP/s on an H200. Cut into S chunks, each chunk a FlashInfer request that repeats the group's
-queries, the same level ran at 521 TFLOP/s with S = 4 (128 programs), against 277 for our Triton
-kernel (benchmarks/NOTES.md, attempt 17). The S states of every query, FlashInfer's output dtype and
-base-2 LSE, are folded in by the Triton backend's merge with the states of the plan's other levels
-(``MergeLaunch``'s ``ext``), which our kernels compute.
+most of the device idle. Cut into S chunks, each chunk a FlashInfer request that repeats the group's
+queries, the same level fills the device (S = 4: 128 programs) and ran well ahead of our Triton
+kernel (benchmarks/NOTES.md, "long shared levels on FlashInfer's FA3, split by hand"). The S states
+of every query, FlashInfer's output dtype and base-2 LSE, are folded in by the Triton backend's
+merge with the states of the plan's other levels (``MergeLaunch``'s ``ext``), which our kernels
+compute.
 
 ``SharedLevelsOnFlashInfer`` is given to a ``TritonBackend`` by the auto backend; it takes the level
 ``LevelRule`` admits (one per plan), plans it on one FlashInfer wrapper, and runs it before the
@@ -45,14 +46,14 @@ class LevelRule:
     ``min_kv_tokens`` KV tokens, and ``min_work`` rows x KV tokens x KV heads. ``min_split_tokens``:
     the shortest chunk a group's KV is cut into.
 
-    The defaults are where sweeps on the H200 measured the whole step faster with FA3
-    (benchmarks/NOTES.md): one prefix of 2048-32768 tokens x 16-128 decoding requests (attempt 17,
-    32/8 heads, d64 and d128): 0.76-0.87x at 512 rows over 16384+ tokens, while at 256 rows or
-    fewer it was slower everywhere (1.06-2.2x), FA3's fixed cost dominating; and prefill chunks or
-    hundreds of decodes over shorter prefixes (attempt 20), where more rows fill the device
-    without splitting the KV. The work counts every KV head: FA3 runs one program per 128 rows,
-    KV head and chunk, and under MQA (32/1) 64 decodes over 4096 tokens (2048 rows) ran 1.34x
-    slower on it than on the Triton kernels (attempt 21)."""
+    The defaults are where sweeps measured the whole step faster with FA3 (benchmarks/NOTES.md,
+    "long shared levels on FlashInfer's FA3" and "FA3 levels under a capacity"): one prefix of
+    2048-32768 tokens x 16-128 decoding requests (32/8 heads, d64 and d128) gained only at 512
+    rows over 16384+ tokens, while at 256 rows or fewer FA3's fixed cost made it slower
+    everywhere; and prefill chunks or hundreds of decodes over shorter prefixes, where more rows
+    fill the device without splitting the KV. The work counts every KV head: FA3 runs one program
+    per 128 rows, KV head and chunk, and under MQA (32/1) a level of as many rows x tokens per KV
+    head as an admitted 8-KV-head one ran slower on it than on the Triton kernels."""
 
     min_rows: int = 512
     min_kv_tokens: int = 2048

@@ -62,9 +62,10 @@ from prefix_cache.planner.plan import CascadePlan
 def persistent_waves(tile: TileConfig) -> int:
     """Waves of the device's resident programs a fixed-capacity launch of ``tile`` runs (and an exact
     plan's padded d256 decode launch, ``_bind``); they loop over whatever (item, KV head) pairs the
-    current plan wrote. An H200 sweep (benchmarks/NOTES.md, attempt 12): more waves of wide tiles cut
-    prefill by 4-10% (long causal items balance better), while every extra wave of idle decode
-    programs costs a small decode about 1 µs."""
+    current plan wrote. Wide tiles (one program per SM) run more waves: long causal items balance
+    better over them, which shortens prefill; narrow ones keep fewer, since every extra wave of idle
+    decode programs adds to a small decode's time (benchmarks/NOTES.md, "more waves for the
+    fixed-capacity wide tile")."""
     return 4 if tile.resident_per_sm() >= 4 else 8
 
 
@@ -172,7 +173,8 @@ class TritonBackend(AttentionBackend):
         decodes on its own tile (``lone_decode_tile``), ``"triton-narrow"`` when every level runs
         on the narrow tile, ``"triton-mid"`` when the others run on the middle tile, ``"triton"`` on
         the wide one. A graph of two launches also replays a plan of the narrow one, whose empty
-        launch still costs 1-2 µs of a replayed step (benchmarks/NOTES.md, attempts 25 and 30)."""
+        launch still costs part of a small replayed step (benchmarks/NOTES.md, "the two attention
+        launches as parallel branches of a CUDA graph" and "a graph key without the wide launch")."""
         if self.capacity is None:
             return None
         if self._external:
@@ -349,10 +351,10 @@ class TritonBackend(AttentionBackend):
         sms = num_sms(self.device)
         # An exact plan's only launch, on a decode tile at head dims over 128 (2 programs per SM, not
         # the nominal 4 of ``resident_per_sm``), takes the fixed plans' grid, its extra programs
-        # idle: on the H200 d256 decodes and cascades ran up to 5% faster (the grid's d256 cascade
-        # 57.2 -> 54.1 µs, as its fixed-capacity plan; 1 x 256 1.5% slower), plans of two launches up
-        # to 10% slower and head dim 128 0-4% slower (benchmarks/NOTES.md, attempt 39, on 8 warps;
-        # attempt 41's 4-warp tile was measured with it). Prefill tiles were not measured.
+        # idle: d256 decodes and cascades ran faster so (as fast as their fixed-capacity plan),
+        # while the same padding slowed plans of two launches and head dim 128, which keep their
+        # exact grid (benchmarks/NOTES.md, "an exact d256 launch on the fixed grid"; the 4-warp
+        # d256 decode tile was measured with it too). Prefill tiles were not measured.
         padded = (
             exact and self.head_dim > 128 and not interpreting() and sum(n > 0 for n in sec.work_items) == 1
         )
@@ -384,7 +386,7 @@ class TritonBackend(AttentionBackend):
         group = self.num_qo_heads // self.num_kv_heads
         assert self._starts is not None
         # Launches are kept while the next plan's are the same (a fixed-capacity backend's always
-        # are): making one costs ~10 µs of host time.
+        # are): making one is host work that a step with the same launches need not repeat.
         key = (
             tuple((launch.num_programs, launch.tile) for launch in self._launches),
             self._starts.shape[0], self._external, group, self.num_kv_heads, self.num_qo_heads, page_size,
@@ -393,8 +395,9 @@ class TritonBackend(AttentionBackend):
         if key == self._launch_key:
             return
         # The merge after a single attention launch starts while that launch ends (programmatic
-        # dependent launch): 0.5-1.3 µs less per replayed step of small decode batches on the H200,
-        # d256's exact plan 2 µs more (benchmarks/NOTES.md, attempt 33). The dependency is on the
+        # dependent launch): it shortened replayed steps of small decode batches and lengthened
+        # d256's exact plan (benchmarks/NOTES.md, "the merge launched as a dependent of its
+        # attention launch"). The dependency is on the
         # one kernel before the merge in the stream, so it is used only where that kernel is the
         # plan's one attention launch: under a capacity the narrow launch of a "triton-narrow" plan
         # and the lone level's of a "triton-decode" plan.
@@ -455,10 +458,11 @@ class TritonBackend(AttentionBackend):
 
         While a CUDA graph is captured, the second launch (the middle or the wide tile's) goes to a
         side stream, joined before the merge: the two write disjoint rows, and as parallel branches
-        of the graph they overlap. On the H200 that took 1-5 µs (2-7%) off every replayed decode batch of the
-        attention benchmark, also where both launches have work, and left prefill as it was; a
-        fixed-capacity launch with no work in the plan then costs little (benchmarks/NOTES.md,
-        attempt 25). Eager runs stay on one stream: the switch cost 13-89 µs of host time per run there.
+        of the graph they overlap. That shortened every replayed decode batch of the attention
+        benchmark, also where both launches have work, and left prefill as it was; a
+        fixed-capacity launch with no work in the plan then costs little (benchmarks/NOTES.md, "the
+        two attention launches as parallel branches of a CUDA graph"). Eager runs stay on one
+        stream: there the switch between streams cost more host time than the overlap saved.
         """
         launches = list(zip(self._launches, self._attention_launches, strict=True))
         if self.capacity is not None:

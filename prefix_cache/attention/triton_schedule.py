@@ -27,9 +27,11 @@ from prefix_cache.planner.kv_split import min_split_tokens
 # elements (K and V over all KV heads, each M tile reading the level's KV, from L2 when they run side
 # by side) and the launch's M tiles, unsplit, fit in one wave of resident programs. It saves a launch
 # in an exact plan, and in any plan runs a level of few programs on 2-4x as many. Longer or busier
-# levels lose more to the extra reads. An H200 sweep: -13% to -38% on 2-8 KV heads over 2-4k
-# tokens, +3% to +56% over 8-32k (benchmarks/NOTES.md, attempt 22). Up to 128 rows rather than 64:
-# -8% to -34% on 24-32 decodes sharing 256-2048 tokens, +5% at the read limit (attempt 24).
+# levels lose more to the extra reads than they gain: in the sweep that set the limits, levels of
+# 2-8 KV heads over a few thousand tokens gained and levels of 8k tokens and more lost. 128 rows
+# rather than 64 because decode batches of a few dozen requests sharing a short prefix gained too,
+# and only batches at the read limit lost a little (benchmarks/NOTES.md, "a small shared level on
+# the decode tile, in the decode launch" and "a launch-aware planner").
 SHARED_ON_NARROW_ROWS = 128
 SHARED_ON_NARROW_READS = 1 << 25
 
@@ -50,10 +52,10 @@ def level_tiles(
     capacity the fixed tiles, else the narrowest and widest of the levels' own, ``tile_config``),
     where a small shared level runs on the narrow tile instead, in the decode tokens' launch (see
     ``SHARED_ON_NARROW_ROWS``). At most two launches: the levels off the narrow tile all run on
-    the widest tile one of them needs (on the last of ``tiles`` if ``widest``). With the levels
-    between on the wide tile, the four-level batch ran 17% faster than on three launches of its
-    own tiles, the system-prompt batch 2% slower (benchmarks/NOTES.md, attempt 22). group: query
-    heads per KV head; sms: the device's multiprocessors."""
+    the widest tile one of them needs (on the last of ``tiles`` if ``widest``): the batch with
+    three tile widths gained far more from losing its third launch than the other such batch lost
+    to the wider tile (benchmarks/NOTES.md, "a small shared level on the decode tile", change 2).
+    group: query heads per KV head; sms: the device's multiprocessors."""
     q_len, kv_len, starts = end_to_end(levels)
     q_with_kv = q_len * (kv_len > 0)
     rows = [r * group for r in np.maximum.reduceat(q_with_kv, starts).tolist()]
@@ -108,8 +110,8 @@ def schedule(
     shape = dict(group=group, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size, sms=sms)
     tiles_of = level_tiles(levels, causal, tiles, widest=widest, **shape)
     # Narrow launches (the unique level's decode) before wide ones (shared prefixes), as the
-    # fixed pair runs: an H200 sweep measured 5-15% less GPU time on several shared batches and no
-    # batch slower (benchmarks/NOTES.md, attempt 16).
+    # fixed pair runs: that order measured faster on several shared batches and slower on none
+    # (benchmarks/NOTES.md, "an exact plan's launch order").
     used = sorted(set(tiles_of), key=lambda tile: tile.block_m) if tiles is None else list(tiles)
     min_split = min_split_tokens(plan_levels, min(t.block_m for t in tiles_of), head_dim)
     work, splits, item_level = levels_work(

@@ -13,8 +13,9 @@ work, which dominates when many queries share a long prefix); levels - 1: the sh
 1 when the backend launches its merge (every cascade, and a one-level plan that splits a request's
 KV), else 0; launches: the attention launches, 1 or 2. chain_steps: per launch, the KV steps (one
 tile of KV tokens each) of its longest work item plus (waves - 1) x those of its mean item, summed
-over launches: small decode steps are latency-bound, about 2 µs per step, and a launch past one wave
-of resident programs waits for a second (benchmarks/NOTES.md, attempt 26). work_items: programs per
+over launches: small decode steps are latency-bound, each step costing about the same whatever its
+tile reads, and a launch past one wave of resident programs waits for a second (benchmarks/NOTES.md,
+"what the cost model misses, on batches it never saw"). work_items: programs per
 KV head (an M tile over one split of a group's KV), over all launches.
 
 These follow the Triton backend's schedule, replayed here in tokens for the calibrated model shape.
@@ -63,8 +64,8 @@ TILE_RULE = (
     "group_size", "min_rows", "max_rows", "join_rows", "join_tile_tokens", "sms_per_kv_head",
     "kv_tile_tokens",
 )  # fmt: skip
-#: Levels of at most this many groups are counted in Python ints: a numpy call costs ~1 µs, as much
-#: as a dozen of those (a plan's shared levels have few groups, its unique level one per request).
+#: Levels of at most this many groups are counted in Python ints: one numpy call costs the host as
+#: much as a dozen of those (a plan's shared levels have few groups, its unique level one per request).
 _FEW = 16
 
 
@@ -357,8 +358,8 @@ def _few_counts(
 
 
 class _Many:
-    """A level of many groups (a unique level), counted in numpy, in as few calls as it can: each
-    costs 1-3 µs here, whatever the few hundred groups."""
+    """A level of many groups (a unique level), counted in numpy, in as few calls as it can: at a
+    few hundred groups each call's fixed cost, not the data, is what it costs."""
 
     def __init__(self, q: np.ndarray, kv: np.ndarray):
         self.q, self.kv = q, kv

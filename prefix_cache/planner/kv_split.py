@@ -16,10 +16,11 @@ MIN_SPLIT_TOKENS = 256
 MAX_SPLITS = 64
 # A plan of one level on decode tiles (at most DECODE_TILE_ROWS query rows) of head dims up to 128
 # splits from ONE_LEVEL_MIN_SPLIT_TOKENS: its merge is the only one, and its programs the launch's
-# only ones. On the H200, one-level decodes of 1-16 requests x 256-2048 tokens replayed 4-22% faster
-# (d64 and d128); in cascades, splits from 128 cost 13-25% on most of the attention benchmark's
-# (page 1's gained 8%), and at d256 one level of 8 x 1024 lost 16% (benchmarks/NOTES.md, attempts 16
-# and 37).
+# only ones. There the lower floor made one-level decodes of a few requests over a few hundred to a
+# few thousand tokens faster (d64 and d128), while in cascades, where other levels' programs and
+# merges share the device, it cost most batches, and at d256 it lost on one level too
+# (benchmarks/NOTES.md, "splits and tiles of d256 decode" and "a lone level of decodes splits from
+# 128 tokens").
 DECODE_TILE_ROWS = 16
 ONE_LEVEL_MIN_SPLIT_TOKENS = 128
 #: The chunk of a level that is not split (longer than any level's KV).

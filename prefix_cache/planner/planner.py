@@ -133,8 +133,9 @@ class CascadePlanner:
             cascade = _cascade_features(model, level_groups, qo_planned, own, page_size, distinct)
             cascade_us = model.time_us(cascade)
             pairs = float(qo @ kv)
-            # The one-level plan's schedule (~25 µs to replay) only where a floor of its time does
-            # not exceed the cascade's already: the same choice, in far less time, for long prefixes.
+            # The one-level plan's schedule (costly to replay on the host) only where a floor of its
+            # time does not exceed the cascade's already: the same choice, in far less time, for
+            # long prefixes.
             requests = int(np.count_nonzero(active))
             if model.one_level_floor_us(distinct, pairs, kv_read, requests) <= cascade_us:
                 # The one-level plan's groups: requests without queries hold no KV there.
@@ -182,7 +183,7 @@ def _sharing(
     deepest kept segment in pages (0 outside them; read-only).
 
     Remembered: a batch's LCPs stay the same from step to step (where its requests' tables part does
-    not move), and walking the tree costs ~25 µs against ~2 µs for the key."""
+    not move), and walking the tree costs the host an order of magnitude more than the key."""
     nodes = _choose(
         _lcp_intervals(np.frombuffer(lcp_bytes, dtype=np.int64)), page_size, min_shared, min_saved, max_levels
     )
