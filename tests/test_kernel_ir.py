@@ -50,8 +50,7 @@ print(json.dumps(found))
 def test_compiled_offset_terms_have_the_promised_widths() -> None:
     """Kernel 0 multiplies page ids and slots by the strides in 32 bits; kernel 1 the page ids in
     64; kernel 2 both (K and V each). A kernel that widens too little would read the wrong KV past
-    2**31 elements, one that widens too much runs up to 1.5x slower (benchmarks/NOTES.md, attempt
-    43)."""
+    2**31 elements, one that widens too much runs measurably slower (benchmarks/NOTES.md)."""
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     done = subprocess.run(
         [sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=300

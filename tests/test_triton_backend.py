@@ -158,7 +158,7 @@ def _shared_batch(requests: int):
 
 def test_an_exact_plan_launches_its_narrowest_tile_first() -> None:
     """The unique level's decode tile runs before the shared level's wider one (measured faster on
-    the H200, benchmarks/NOTES.md attempt 16), and the order leaves the output as it was."""
+    the GPU: benchmarks/NOTES.md), and the order leaves the output as it was."""
     gen = torch.Generator().manual_seed(2)
     group = HEADS["num_qo_heads"] // HEADS["num_kv_heads"]
     requests = SHARED_ON_NARROW_ROWS // group + 1  # a shared level too tall for the narrow tile
