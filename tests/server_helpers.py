@@ -31,7 +31,9 @@ def serve(app: object) -> Iterator[str]:
         thread.join(timeout=30)
 
 
-def request(base_url: str, method: str, path: str, body: object = None, timeout: float = 120) -> tuple[int, bytes]:
+def request(
+    base_url: str, method: str, path: str, body: object = None, timeout: float = 120
+) -> tuple[int, bytes]:
     """One raw HTTP request (``body``: bytes as they are, anything else as JSON); (status, body)."""
     import http.client
     import json

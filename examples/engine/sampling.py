@@ -10,10 +10,6 @@ import torch
 
 from .request import Sample
 
-#: torch generators take seeds in [0, 2**64); a request's seed (int64) plus the sample index wraps.
-_SEED_MODULUS = 2**64
-
-
 def sample_tokens(logits: torch.Tensor, samples: list[Sample]) -> tuple[list[int], dict[int, Exception]]:
     """The next token of each sample, and the rows whose sampling raised (row -> the exception; their
     token is meaningless). logits: float32 [len(samples), vocab], row i for samples[i]; left as is
@@ -42,7 +38,8 @@ def _draw(logits: torch.Tensor, s: Sample) -> int:
     if s.generator is None:
         s.generator = torch.Generator(device=logits.device)
         seed = params.seed if params.seed is not None else int(torch.seed() % 2**62)
-        s.generator.manual_seed((seed + s.index) % _SEED_MODULUS)
+        # An int64 seed plus an index under 64 is in the range torch generators take, [-2**63, 2**64).
+        s.generator.manual_seed(seed + s.index)
     probs = torch.softmax(logits / params.temperature, dim=-1)
     if params.top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
