@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import re
 import time
 
 import numpy as np
@@ -333,3 +335,52 @@ def test_unsupported_tools_are_a_400_naming_them(server):
     )
     assert status == 200, body  # an empty tool list and unknown fields change nothing
     assert json.loads(body)["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_metrics_are_valid_prometheus_text_and_health_is_ok(server):
+    client, _, _, url = server
+    client.completions.create(model="smollm2", prompt="Hi", max_tokens=3, extra_body={"ignore_eos": True})
+    assert request(url, "GET", "/health") == (200, b"ok")
+    text = request(url, "GET", "/metrics")[1].decode()
+    typed = {line.split()[2]: line.split()[3] for line in text.splitlines() if line.startswith("# TYPE")}
+    helped = {line.split()[2] for line in text.splitlines() if line.startswith("# HELP")}
+    assert set(typed) == helped and len(typed) == 16
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        name, value = line.rsplit(" ", 1)
+        float(value)
+        base = name.split("{")[0]
+        family = base if base in typed else re.sub(r"_(total|bucket|sum|count)$", "", base)
+        assert family in typed, line
+    for family in [f for f, kind in typed.items() if kind == "histogram"]:
+        buckets = [
+            float(v)
+            for n, v in (x.rsplit(" ", 1) for x in text.splitlines())
+            if n.startswith(f"{family}_bucket")
+        ]
+        assert buckets == sorted(buckets) and buckets[-1] == metric(url, f"{family}_count") > 0
+
+
+def test_the_server_logs_its_start_and_its_throughput(caplog):
+    from examples.engine.server import create_app
+
+    model, chat = smollm2()
+    engine = LLMEngine(model, EngineConfig(num_pages=32), chat.stop_token_ids)
+    with (
+        caplog.at_level(logging.INFO, logger="examples.engine.server"),
+        serve(create_app(engine, chat, "smollm2", log_interval=1)) as url,
+    ):
+        assert (
+            request(url, "POST", "/v1/completions", {"model": "smollm2", "prompt": "Hi", "max_tokens": 3})[0]
+            == 200
+        )
+        deadline = time.time() + 10
+        while not any("generation throughput" in r.getMessage() for r in caplog.records):
+            assert time.time() < deadline, [r.getMessage() for r in caplog.records]
+            time.sleep(0.1)
+    messages = [r.getMessage() for r in caplog.records]
+    start = next(m for m in messages if m.startswith("serving smollm2"))
+    assert "backend torch" in start and "32 KV pages of 16 tokens" in start and "8192 tokens" in start
+    line = next(m for m in messages if "generation throughput" in m)
+    assert "prefix cache hit rate" in line and "KV pages in use" in line

@@ -5,10 +5,11 @@ vLLM has one. The engine thread records (``on_step``, ``on_finished``); HTTP han
 (``render``); a lock keeps each scrape consistent.
 
 Counters (``_total``): ``prefix_cache_queries`` and ``prefix_cache_hits`` (prompt tokens looked up in
-the cache at admission, and those found cached: ``PrefixCache.stats``'s query and hit tokens),
+the cache at admission, and those found cached: ``PrefixCache.stats``'s query and hit tokens, since
+the cache was built),
 ``prompt_tokens`` (prompts prefilled), ``generation_tokens``, ``num_preemptions``,
 ``request_success`` (by ``finished_reason``: stop, length, abort, error). Gauges:
-``num_requests_running``, ``num_requests_waiting`` (samples), ``kv_pages_total``, ``kv_pages_in_use``
+``num_requests_running``, ``num_requests_waiting`` (samples), ``kv_pool_pages``, ``kv_pages_in_use``
 (held by live sequences), ``kv_pages_cached`` (in the cache's tree, held or not),
 ``kv_pages_evictable`` (cached and held by none), ``kv_cache_usage_perc`` (in use / total, 0..1).
 Histograms (seconds): ``time_to_first_token_seconds`` (engine arrival to sample 0's first token),
@@ -138,7 +139,7 @@ class EngineMetrics:
                 ("num_preemptions", "counter", "Samples preempted for lack of KV pages.", self.preemptions),
                 ("num_requests_running", "gauge", "Samples running.", self.running),
                 ("num_requests_waiting", "gauge", "Samples waiting.", self.waiting),
-                ("kv_pages_total", "gauge", "KV pages in the pool.", self.pages_total),
+                ("kv_pool_pages", "gauge", "KV pages in the pool.", self.pages_total),
                 ("kv_pages_in_use", "gauge", "KV pages held by live sequences.", self.pages_in_use),
                 ("kv_pages_cached", "gauge", "KV pages in the prefix cache's tree.", self.pages_cached),
                 (

@@ -11,6 +11,10 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .engine import EngineConfig
 
 BACKENDS = ("auto", "torch", "triton", "flashinfer")
 #: Page sizes the kernels take (README: "Page sizes 1 to 128").
@@ -26,8 +30,8 @@ def ranged_int(low: int, high: int | None = None) -> Callable[[str], int]:
         except ValueError:
             value = None
         if value is None or value < low or (high is not None and value > high):
-            where = f"[{low}, {high}]" if high is not None else f">= {low}"
-            raise argparse.ArgumentTypeError(f"must be an int in {where}, got {text!r}")
+            where = f"in {low}..{high}" if high is not None else f"an int >= {low}"
+            raise argparse.ArgumentTypeError(f"must be {where}, got {text}")
         return value
 
     parse.__name__ = "int"
@@ -43,7 +47,7 @@ def ranged_float(low: float, high: float) -> Callable[[str], float]:
         except ValueError:
             value = None
         if value is None or not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"must be a number in [{low:g}, {high:g}], got {text!r}")
+            raise argparse.ArgumentTypeError(f"must be a number in {low:g}..{high:g}, got {text}")
         return value
 
     parse.__name__ = "float"
@@ -96,12 +100,12 @@ def check_device(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 
 def default_backend(device: str) -> str:
-    """ "auto" on CUDA (the one for engines), "torch" on the CPU (the Triton kernels would run in the
-    interpreter there)."""
+    """The default backend: auto on CUDA (the one for engines), torch on the CPU (where the Triton
+    kernels would run in Triton's interpreter)."""
     return "auto" if device.startswith("cuda") else "torch"
 
 
-def engine_config(args: argparse.Namespace) -> object:
+def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig of parsed engine options (``add_model_options`` and ``add_engine_options``)."""
     from .engine import EngineConfig
     from .scheduler import SchedulerConfig

@@ -10,6 +10,7 @@ import torch
 
 from .request import Sample
 
+
 def sample_tokens(logits: torch.Tensor, samples: list[Sample]) -> tuple[list[int], dict[int, Exception]]:
     """The next token of each sample, and the rows whose sampling raised (row -> the exception; their
     token is meaningless). logits: float32 [len(samples), vocab], row i for samples[i]; left as is

@@ -254,6 +254,7 @@ def create_app(
             finally:
                 if not done:  # the client went away: stop generating for it
                     w.abort(request_id)
+                    log.info("request %s: client went away, aborted", request_id)
 
         return StreamingResponse(sse(), media_type="text/event-stream")
 

@@ -68,6 +68,7 @@ class EngineWorker:
 
     def _loop(self) -> None:
         torch.set_num_threads(self._num_threads)
+        self.metrics.on_step(self.engine, 0, 0)  # the cache's counters and pages before any request
         while not self._stop:
             try:
                 self._iterate()
