@@ -231,12 +231,15 @@ def test_stop_strings_and_stop_token_ids_end_the_text_where_they_occur(server):
     args = {"model": "smollm2", "prompt": "The capital of France is", "max_tokens": 12, "temperature": 0}
     full = client.completions.create(**args, extra_body={"ignore_eos": True, "return_token_ids": True})
     text, ids = full.choices[0].text, full.choices[0].model_extra["token_ids"]
-    stop = text[len(text) // 2 : len(text) // 2 + 3]
-    assert stop.strip(), text
+    # A stop string over tokens 4 and 5: token 4's text must be held back until token 5 shows
+    # whether the stop string is complete.
+    start = len(chat.decode(ids[:4]))
+    stop = text[start : len(chat.decode(ids[:6]))]
+    assert text.index(stop) == start and len(chat.decode(ids[4:5])) < len(stop), (text, stop)
     cut = client.completions.create(**args, stop=[stop, "never appears"])
-    assert cut.choices[0].text == text[: text.index(stop)] and cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == text[:start] and cut.choices[0].finish_reason == "stop"
     pieces = [c.choices[0].text for c in client.completions.create(**args, stop=stop, stream=True)]
-    assert "".join(pieces) == text[: text.index(stop)]
+    assert "".join(pieces) == text[:start]
     by_id = client.completions.create(**args, extra_body={"stop_token_ids": [ids[3]], "ignore_eos": True})
     assert by_id.choices[0].finish_reason == "stop" and by_id.usage.completion_tokens == ids.index(ids[3]) + 1
     assert by_id.choices[0].text == chat.decode(ids[: ids.index(ids[3])])
