@@ -61,7 +61,9 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Common(BaseModel):
+class RequestBody(BaseModel):
+    """The fields both routes take (see docs/server.md for their meaning and ranges)."""
+
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -118,7 +120,7 @@ class _Common(BaseModel):
         )
 
 
-class CompletionBody(_Common):
+class CompletionBody(RequestBody):
     prompt: str | list[int] = Field(min_length=1)
     logprobs: int | None = Field(default=None, ge=0, le=5)
 
@@ -148,7 +150,7 @@ class Message(BaseModel):
         return "\n".join(texts)
 
 
-class ChatBody(_Common):
+class ChatBody(RequestBody):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False

@@ -29,7 +29,7 @@ from .chat import ChatFormat
 from .engine import LLMEngine
 from .metrics import EngineMetrics
 from .outputs import RequestOutput
-from .protocol import APIError, ChatBody, CompletionBody, _Common
+from .protocol import APIError, ChatBody, CompletionBody, RequestBody
 from .request import SamplingParams
 from .responses import BodySizeLimit, choice_of, chunk_choice
 from .worker import CACHED, ERROR, EngineWorker
@@ -115,7 +115,7 @@ def create_app(
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
 
     def params_of(
-        body: _Common, prompt: list[int], max_tokens: int | None, logprobs: int | None, prompt_param: str
+        body: RequestBody, prompt: list[int], max_tokens: int | None, logprobs: int | None, prompt_param: str
     ) -> SamplingParams:
         if len(prompt) >= max_len:
             raise APIError(
@@ -135,7 +135,7 @@ def create_app(
         max_tokens = max_tokens or min(default_max_tokens, max_len - len(prompt))
         return body.sampling_params(max_tokens, logprobs, vocab_size, chat.stop_token_ids)
 
-    def check_door(body: _Common) -> tuple[str, ...]:
+    def check_door(body: RequestBody) -> tuple[str, ...]:
         if body.model != model_name:
             raise APIError(
                 404,
@@ -151,7 +151,7 @@ def create_app(
         kind: str,
         prompt: list[int],
         params: SamplingParams,
-        body: _Common,
+        body: RequestBody,
         stop: tuple[str, ...],
     ):
         w = worker.get("w")
