@@ -297,7 +297,11 @@ def main(argv: list[str] | None = None) -> int:
         run_cli,
     )
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m examples.engine.server",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_model_options(ap)
     add_engine_options(ap)
     ap.add_argument("--host", default="127.0.0.1")
