@@ -255,12 +255,6 @@ def test_health_answers_ok(server):
 
 # ------------------------------------------------------------------------------------- the fuzz
 
-FIELDS = [
-    "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "seed",
-    "stream", "stream_options", "stop", "stop_token_ids", "logprobs", "top_logprobs", "frequency_penalty",
-    "presence_penalty", "ignore_eos", "return_token_ids", "tools", "response_format", "best_of", "echo",
-    "user", "unknown_field",
-]  # fmt: skip
 scalars = (
     st.none()
     | st.booleans()
@@ -270,7 +264,7 @@ scalars = (
     | st.text(max_size=8)
     | st.just("smollm2")
 )
-values = st.recursive(
+junk = st.recursive(
     scalars,
     lambda inner: (
         st.lists(inner, max_size=3)
@@ -278,30 +272,69 @@ values = st.recursive(
     ),
     max_leaves=6,
 )
+# Per field, values the server takes (drawn three times as often as junk of any type), so that
+# bodies reach the engine as well as the validation.
+FIELDS = {
+    "max_tokens": st.integers(1, 4),
+    "max_completion_tokens": st.integers(1, 4),
+    "temperature": st.floats(0, 2),
+    "top_p": st.floats(0.01, 1),
+    "n": st.integers(1, 3),
+    "seed": st.integers(-(2**63), 2**63 - 1),
+    "stream": st.booleans(),
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+    "stop": st.text(min_size=1, max_size=3) | st.lists(st.text(min_size=1, max_size=3), max_size=3),
+    "stop_token_ids": st.lists(st.integers(0, 49151), max_size=3),
+    "logprobs": st.integers(0, 5) | st.booleans(),
+    "top_logprobs": st.integers(0, 20),
+    "frequency_penalty": st.floats(-2, 2),
+    "presence_penalty": st.floats(-2, 2),
+    "ignore_eos": st.booleans(),
+    "return_token_ids": st.booleans(),
+    "tools": st.just([]),
+    "response_format": st.just({"type": "text"}),
+    "best_of": st.none(),
+    "echo": st.just(False),
+    "user": st.text(max_size=5),
+    "unknown_field": junk,
+}
+fields = st.sampled_from(sorted(FIELDS)).flatmap(
+    lambda name: st.tuples(st.just(name), st.one_of(FIELDS[name], FIELDS[name], FIELDS[name], junk))
+)
+text_parts = st.lists(
+    st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=6)}), max_size=2
+)
 messages = st.lists(
     st.fixed_dictionaries(
         {
             "role": st.sampled_from(["system", "developer", "user", "assistant", "tool", 3]),
-            "content": values | st.text(max_size=12),
+            "content": st.text(max_size=12) | text_parts | junk,
         }
     ),
     max_size=3,
 )
-bodies = st.dictionaries(st.sampled_from(FIELDS), values, max_size=8).flatmap(
-    lambda d: st.fixed_dictionaries(
-        {"model": st.sampled_from(["smollm2", "smollm2", "gpt-4", 7])}
-        | {"prompt": st.text(max_size=20) | st.lists(st.integers(-5, 60_000), max_size=6) | values}
-        | {"messages": messages | values},
-    ).map(lambda fixed: {**fixed, **d})
-)
+bodies = st.fixed_dictionaries(
+    {
+        "model": st.sampled_from(["smollm2", "smollm2", "smollm2", "gpt-4", 7]),
+        "prompt": st.text(max_size=20)
+        | st.lists(st.integers(0, 49151) | st.integers(-5, -1) | st.integers(49152, 60_000), max_size=6)
+        | st.sampled_from([[7] * 9000, "word " * 9000])  # over the context length
+        | junk,
+        "messages": messages | junk,
+    }
+).flatmap(lambda fixed: st.lists(fields, max_size=5).map(lambda pairs: {**fixed, **dict(pairs)}))
 
 
 @settings(
-    max_examples=50,
+    max_examples=200,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
-@given(body=bodies, route=st.sampled_from(["/v1/completions", "/v1/chat/completions"]), raw=st.booleans())
+@given(
+    body=bodies,
+    route=st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
+    raw=st.sampled_from([False, False, False, True]),
+)
 def test_fuzzed_bodies_get_2xx_or_4xx_and_the_server_keeps_serving(server, body, route, raw):
     url, engine, _ = server
     data = json.dumps(body).encode()
