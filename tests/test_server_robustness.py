@@ -129,6 +129,19 @@ def test_a_failing_forward_fails_its_batch_and_the_next_request_is_served(server
     assert_serving(url, engine)
 
 
+def test_a_request_the_engine_cannot_take_is_a_500_and_the_next_is_served(server, monkeypatch):
+    url, engine, _ = server
+
+    def refuse(*_args, **_kwargs):
+        raise MemoryError("no room for the request's arrays")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(engine, "add_request", refuse)
+        status, body = completion(url, max_tokens=2)
+    assert status == 500 and "MemoryError: no room" in body["error"]["message"], body
+    assert_serving(url, engine)
+
+
 def stream_events(url: str, path: str, body: dict, keep: int | None = None) -> list[str]:
     """The SSE data lines of a streamed request; with ``keep``, the connection is dropped after that many."""
     host, port = url.removeprefix("http://").split(":")

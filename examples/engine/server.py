@@ -162,6 +162,9 @@ def create_app(
             await asyncio.wrap_future(accepted)
         except ValueError as error:
             raise APIError(400, str(error), param="prompt") from None
+        except Exception as error:  # the engine could not take it: not the client's fault
+            message = f"the engine could not take this request: {type(error).__name__}: {error}"
+            raise APIError(500, message, kind="server_error") from None
         output = RequestOutput(chat, params.n, stop, params.stop_token_ids | chat.stop_token_ids)
         chat_kind, include_usage = (
             kind == "chat",
