@@ -63,7 +63,9 @@ class RequestOutput:
                 s.text += after[len(before) :]
                 s._decoded, s._prefix = end, max(0, end - _WINDOW)
         if self.stop:
-            start = max(0, s.sent_text - self.hold)
+            # A stop string cannot begin before what went out: that text was followed by ``hold``
+            # more characters, enough to complete any stop string begun there.
+            start = s.sent_text
             hits = [i for i in (s.text.find(stop, start) for stop in self.stop) if i >= 0]
             if hits:
                 s.text, s.finish_reason = s.text[: min(hits)], "stop"
