@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import logging
 import socket
 import threading
 import time
@@ -86,8 +87,9 @@ def test_the_largest_seeds_sample_without_overflow(server):
     assert_serving(url, engine)
 
 
-def test_a_poisoned_request_fails_alone_with_a_500_naming_the_cause(server, poison):
+def test_a_poisoned_request_fails_alone_with_a_500_naming_the_cause(server, poison, caplog):
     url, engine, _ = server
+    caplog.set_level(logging.WARNING, logger="examples.engine.server")
     results: dict[str, tuple[int, dict]] = {}
 
     def send(name: str, **fields) -> None:
@@ -106,6 +108,8 @@ def test_a_poisoned_request_fails_alone_with_a_500_naming_the_cause(server, pois
         t.join(timeout=120)
     status, body = results["poisoned"]
     assert status == 500 and "poisoned sampler" in body["error"]["message"], body
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("failed in the engine: RuntimeError: poisoned sampler" in m for m in warnings), warnings
     for i in range(3):
         status, body = results[f"ok{i}"]
         assert status == 200 and len(body["choices"][0]["text"]) > 0, body

@@ -98,6 +98,8 @@ class EngineWorker:
             request = sample.request
             if request.finished and self._streams.pop(request.request_id, None) is not None:
                 self.metrics.on_finished(request, now)
+                if request.error is not None:
+                    log.warning("request %s failed in the engine: %s", request.request_id, request.error)
         line = self.metrics.log_line(self.log_interval)
         if line:
             log.info(line)
