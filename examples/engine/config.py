@@ -20,6 +20,7 @@ class ModelConfig:
     rope_theta: float
     rms_norm_eps: float
     tie_word_embeddings: bool
+    context_length: int  # the most tokens (prompt and output) a sequence may have
 
     def kv_bytes_per_token(self, element_size: int) -> int:
         """Bytes of K and V of one token over all layers, for a KV dtype of ``element_size`` bytes."""
@@ -38,6 +39,7 @@ SMOLLM2_135M = ModelConfig(
     rope_theta=100000.0,
     rms_norm_eps=1e-5,
     tie_word_embeddings=True,
+    context_length=8192,
 )
 
 #: Llama-3.1-8B's shapes (its rope scaling for long context is left out: dummy weights only).
@@ -53,6 +55,7 @@ LLAMA_8B = ModelConfig(
     rope_theta=500000.0,
     rms_norm_eps=1e-5,
     tie_word_embeddings=False,
+    context_length=131072,
 )
 
 #: Llama-3.2-1B's shapes.
@@ -68,6 +71,7 @@ LLAMA_1B = ModelConfig(
     rope_theta=500000.0,
     rms_norm_eps=1e-5,
     tie_word_embeddings=True,
+    context_length=131072,
 )
 
 #: Names the command lines accept: "smollm2" loads real weights, the others are random at real shapes.

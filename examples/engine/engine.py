@@ -28,7 +28,7 @@ from prefix_cache.attention import create_backend
 from .cuda_graphs import DecodeGraphs, graphs_apply
 from .model import LlamaModel
 from .request import Request, Sample, SamplingParams, Status
-from .sampling import sample_tokens
+from .sampling import sample_tokens, token_logprobs
 from .scheduler import Scheduler, SchedulerConfig
 
 #: ``EngineConfig.kv_cache_dtype`` names: the KV pool's dtype (None: the model's).
@@ -134,14 +134,17 @@ class LLMEngine:
         self.requests[request_id] = request
         return request
 
-    def abort(self, request_id: str) -> None:
-        """Stop a request now (its samples finish with reason "abort"); unknown ids are ignored."""
-        request = self.requests.pop(request_id, None)
+    def abort(self, request_id: str, index: int | None = None, reason: str = "abort") -> None:
+        """Stop a request now, or only its sample ``index`` (finishing with ``reason``: "abort", or
+        "stop" when the caller found a stop string); unknown ids are ignored."""
+        request = self.requests.get(request_id)
         if request is None:
             return
         for s in request.samples:
-            if not s.finished:
-                self.scheduler.finish(s, "abort")
+            if not s.finished and index in (None, s.index):
+                self.scheduler.finish(s, reason)
+        if request.finished:
+            del self.requests[request_id]
 
     def has_work(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running)
@@ -150,10 +153,20 @@ class LLMEngine:
 
     def step(self) -> list[Sample]:
         """Run one batch; returns the samples that got a new token (``s.output[-1]``), finished ones
-        included (``s.finished``)."""
+        included (``s.finished``), and those that failed (``s.finish_reason == "error"``, no new
+        token, ``s.request.error`` says why).
+
+        A request whose sampling raises fails alone; an exception in the batch's forward fails the
+        requests of that batch (they cannot be told apart). Either way the engine keeps serving."""
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        try:
+            return self._run(batch)
+        except Exception as error:  # the batch's requests fail, the engine goes on
+            return self._fail({s.request: error for s, _ in batch})
+
+    def _run(self, batch: list[tuple[Sample, int]]) -> list[Sample]:
         cache, ps = self.cache, self.config.page_size
         qo_lens = np.array([n for _, n in batch], dtype=np.int64)
         starts = np.array([s.num_computed for s, _ in batch], dtype=np.int64)
@@ -177,16 +190,34 @@ class LLMEngine:
         if logits is None:
             logits = self._forward_eagerly(plan, tokens, positions, slots, rows)
         sampled = [batch[i][0] for i in done]
-        next_tokens = sample_tokens(logits, sampled)
+        next_tokens, failures = sample_tokens(logits, sampled)
+        for s, entry in zip(sampled, token_logprobs(logits, sampled, next_tokens), strict=True):
+            if entry is not None:
+                s.logprobs.append(entry)
         now = time.perf_counter()
 
         for (s, n), a in zip(batch, starts, strict=True):
             cache.commit(s.seq, s.tokens[a : a + n])
             s.num_computed += n
         self._account(plan, qo_lens)
+        failed = self._fail({sampled[row].request: error for row, error in failures.items()})
         for s, token in zip(sampled, next_tokens, strict=True):
-            self._append(s, token, now)
-        return sampled
+            if not s.finished:
+                self._append(s, token, now)
+        return [s for s in sampled if s.finish_reason != "error"] + failed
+
+    def _fail(self, failures: dict[Request, Exception]) -> list[Sample]:
+        """End each request with reason "error", ``request.error`` naming its exception; returns the
+        samples this ended."""
+        failed = []
+        for request, error in failures.items():
+            request.error = f"{type(error).__name__}: {error}"
+            for s in request.samples:
+                if not s.finished:
+                    self.scheduler.finish(s, "error")
+                    failed.append(s)
+            self.requests.pop(request.request_id, None)
+        return failed
 
     def _forward_eagerly(
         self,
@@ -220,7 +251,7 @@ class LLMEngine:
         s.num_tokens += 1
         if s.index == 0:
             request.prompt_cached = True
-        if not params.ignore_eos and token in self.stop_token_ids:
+        if (not params.ignore_eos and token in self.stop_token_ids) or token in params.stop_token_ids:
             self.scheduler.finish(s, "stop")
         elif s.num_output == params.max_tokens:
             self.scheduler.finish(s, "length")

@@ -53,6 +53,7 @@ def load_weights(path: Path | None = None) -> tuple[ModelConfig, dict[str, torch
         "llama.embedding_length": config.hidden_size,
         "llama.attention.head_count": config.num_qo_heads,
         "llama.attention.head_count_kv": config.num_kv_heads,
+        "llama.context_length": config.context_length,
     }
     for key, expected in meta.items():
         value = int(reader.fields[key].contents())

@@ -11,11 +11,24 @@ import torch
 
 from prefix_cache import Sequence
 
+#: The seeds a request may give: int64, as OpenAI's API and vLLM take them.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+#: The most alternatives a token's log-probabilities list (OpenAI's chat API allows 20).
+MAX_LOGPROBS = 20
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to generate. ``temperature == 0`` is greedy; ``seed`` makes temperature sampling repeatable
-    (sample ``i`` of a request draws from a generator seeded with ``seed + i``)."""
+    (sample ``i`` of a request draws from a generator seeded with ``seed + i``).
+
+    stop_token_ids: a sample also finishes ("stop") on these, ``ignore_eos`` or not.
+    logprobs: None, or k: each new token comes with its log-probability and the k most likely
+        tokens' (under the model's raw distribution, before penalties and temperature).
+    frequency_penalty, presence_penalty: OpenAI's, in [-2, 2]: a token's logit is lowered by
+        ``frequency_penalty * count + presence_penalty * (count > 0)``, count its occurrences in the
+        sample's output so far.
+    """
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -23,6 +36,10 @@ class SamplingParams:
     n: int = 1
     seed: int | None = None
     ignore_eos: bool = False  # run to max_tokens whatever is generated (benchmarks)
+    stop_token_ids: frozenset[int] = frozenset()
+    logprobs: int | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -33,6 +50,19 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.n, int) or not 1 <= self.n <= 64:
             raise ValueError(f"n must be an int in [1, 64], got {self.n!r}")
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or not SEED_MIN <= self.seed <= SEED_MAX
+        ):
+            raise ValueError(f"seed must be an int in [{SEED_MIN}, {SEED_MAX}] (int64), got {self.seed!r}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be None or in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+
+    @property
+    def penalized(self) -> bool:
+        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
 
 class Status(enum.Enum):
@@ -63,6 +93,8 @@ class Sample:
         self.num_preemptions = 0
         self.token_times = np.zeros(params.max_tokens, dtype=np.float64)  # perf_counter per output token
         self.generator: torch.Generator | None = None
+        # Per output token when params.logprobs is set: (its logprob, top ids, their logprobs).
+        self.logprobs: list[tuple[float, list[int], list[float]]] = []
 
     @property
     def num_output(self) -> int:
@@ -87,6 +119,8 @@ class Request:
         self.params = params
         self.arrival_time = time.perf_counter()
         self.samples = [Sample(self, i) for i in range(params.n)]
+        self.error: str | None = None  # why the engine failed it (its samples finish with "error")
+        self.cached_tokens = 0  # prompt tokens sample 0 found in the cache when first admitted
         # Sample 0 prefills the prompt; the others are admitted once it is cached.
         self.prompt_cached = params.n == 1
 

@@ -129,6 +129,8 @@ class Scheduler:
             return False
         self.waiting.remove(s)
         s.seq, s.num_computed, s.status = seq, seq.num_cached_tokens, Status.RUNNING
+        if s.index == 0 and s.num_preemptions == 0:
+            s.request.cached_tokens = seq.num_cached_tokens
         s.admitted_at = self._admissions
         self._admissions += 1
         self.running.append(s)

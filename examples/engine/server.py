@@ -1,10 +1,13 @@
-"""An OpenAI-compatible HTTP server over the engine: /v1/models, /v1/completions, /v1/chat/completions.
+"""An OpenAI-compatible HTTP server over the engine: /v1/models, /v1/completions, /v1/chat/completions,
+/metrics (Prometheus) and /health. See docs/server.md.
 
     python -m examples.engine.server --model smollm2 --port 8000
 
-The engine steps in one background thread (it owns the cache and the model); HTTP handlers hand it
-requests and aborts through a queue and read tokens back through per-request asyncio queues. Bad
-requests get OpenAI-style errors (``{"error": {"message", "type", "param", "code"}}``, status 4xx).
+The engine steps in one background thread (``worker.py``); HTTP handlers validate a request at the
+door (``protocol.py``), tokenize it in a worker thread, hand it to the engine and turn its token events
+into text in a worker thread (``outputs.py``). Bad requests get OpenAI-style errors
+(``{"error": {"message", "type", "param", "code"}}``, status 4xx); a request the engine fails gets a
+500 naming the cause, and the others go on. A client that goes away aborts its request.
 With a dummy model the text is meaningless (random weights); the timings are real.
 """
 
@@ -14,182 +17,125 @@ import argparse
 import asyncio
 import contextlib
 import json
-import queue
-import threading
+import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
-from concurrent.futures import Future
-from typing import Literal
 
-import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from .chat import ChatFormat
 from .engine import LLMEngine
-from .request import Sample, SamplingParams
+from .metrics import EngineMetrics
+from .outputs import RequestOutput
+from .protocol import APIError, ChatBody, CompletionBody, RequestBody
+from .request import SamplingParams
+from .responses import BodySizeLimit, choice_of, chunk_choice
+from .worker import CACHED, ERROR, EngineWorker
 
-# ---------------------------------------------------------------------------------------- the worker
+log = logging.getLogger("examples.engine.server")
 
-
-class EngineWorker:
-    """Runs ``engine.step`` in a thread; ``submit`` and ``abort`` may be called from any thread."""
-
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
-        self._commands: queue.Queue = queue.Queue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
-        self._stop = False
-        # OpenMP's thread count is per thread: the engine thread takes the one set where it is created.
-        self._num_threads = torch.get_num_threads()
-        self._thread.start()
-
-    def submit(self, prompt: list[int], params: SamplingParams) -> tuple[str, asyncio.Queue, Future]:
-        """Queue a request; returns its id, the queue its (sample index, token, finish reason or None)
-        events arrive on, and a future that fails with the engine's ValueError if it is refused."""
-        request_id, events, accepted = uuid.uuid4().hex, asyncio.Queue(), Future()
-        self._commands.put(("add", request_id, prompt, params, asyncio.get_running_loop(), events, accepted))
-        return request_id, events, accepted
-
-    def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
-
-    def shutdown(self) -> None:
-        self._stop = True
-        self._commands.put(("wake",))
-        self._thread.join()
-
-    def _loop(self) -> None:
-        torch.set_num_threads(self._num_threads)
-        while not self._stop:
-            block = not self.engine.has_work()
-            try:
-                while True:
-                    self._handle(self._commands.get(block=block))
-                    block = False
-            except queue.Empty:
-                pass
-            samples = self.engine.step()
-            for sample in samples:
-                self._publish(sample)
-            for sample in samples:  # after all of the step's tokens are out: several samples end at once
-                if sample.request.finished:
-                    self._streams.pop(sample.request.request_id, None)
-
-    def _handle(self, command: tuple) -> None:
-        if command[0] == "add":
-            _, request_id, prompt, params, loop, events, accepted = command
-            try:
-                self.engine.add_request(prompt, params, request_id)
-            except ValueError as error:
-                accepted.set_exception(error)
-                return
-            self._streams[request_id] = (loop, events)
-            accepted.set_result(None)
-        elif command[0] == "abort":
-            self.engine.abort(command[1])
-            self._streams.pop(command[1], None)
-
-    def _publish(self, sample: Sample) -> None:
-        request_id = sample.request.request_id
-        stream = self._streams.get(request_id)
-        if stream is None:
-            return
-        loop, events = stream
-        event = (sample.index, int(sample.output[-1]), sample.finish_reason)
-        loop.call_soon_threadsafe(events.put_nowait, event)
-
-
-# ---------------------------------------------------------------------------------------- the API
-
-
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    model: str
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    n: int = Field(default=1, ge=1, le=16)
-    seed: int | None = None
-    stream: bool = False
-    ignore_eos: bool = False  # an extension vLLM also accepts: benchmarks fix output lengths with it
-    # Extension: each choice (or streamed chunk) also carries its new token ids, so that a client can
-    # send a reply back in the next prompt exactly as generated (the benchmark's multi-turn chats).
-    return_token_ids: bool = False
-    stop: str | list[str] | None = None
-    logprobs: bool | int | None = None
-
-
-class CompletionBody(_Common):
-    prompt: str | list[int] = Field(min_length=1)
-
-
-class Message(BaseModel):
-    role: Literal["system", "user", "assistant"]
-    content: str
-
-
-class ChatBody(_Common):
-    messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-
-
-class APIError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        kind: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
-
-
-def _error(
-    status: int, message: str, kind: str, param: str | None = None, code: str | None = None
-) -> JSONResponse:
-    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status)
+#: How often a non-streaming handler checks that its client is still there (seconds).
+DISCONNECT_POLL_S = 0.25
 
 
 def create_app(
-    engine: LLMEngine, chat: ChatFormat, model_name: str, default_max_tokens: int = 256
+    engine: LLMEngine,
+    chat: ChatFormat,
+    model_name: str,
+    default_max_tokens: int = 256,
+    max_model_len: int | None = None,
+    max_body_bytes: int = 4 * 1024 * 1024,
+    log_interval: float = 10.0,
 ) -> FastAPI:
-    """The FastAPI app; the engine thread starts with the app and stops with it."""
+    """The FastAPI app; the engine thread starts with the app and stops with it.
+
+    max_model_len: the most tokens (prompt plus max_tokens) of a request; default: the model's
+    context length. max_body_bytes: larger request bodies get a 413 before they are read whole.
+    log_interval: seconds between throughput log lines (while anything runs)."""
+    max_len = max_model_len or engine.model.config.context_length
+    vocab_size = engine.model.config.vocab_size
+    metrics = EngineMetrics(engine.cache.num_pages)
     worker: dict[str, EngineWorker] = {}
 
     @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        worker["w"] = EngineWorker(engine)
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        worker["w"] = EngineWorker(engine, metrics, log_interval)
+        config = engine.config
+        log.info(
+            "serving %s at %s: backend %s, %d KV pages of %d tokens, prefix caching %s, cascade %s, "
+            "up to %d tokens per request",
+            model_name,
+            getattr(app.state, "address", "(in process)"),
+            config.backend,
+            config.num_pages,
+            config.page_size,
+            "on" if config.scheduler.prefix_caching else "off",
+            "on" if config.cascade else "off",
+            max_len,
+        )
         yield
         worker.pop("w").shutdown()
 
     app = FastAPI(title="prefix-cache engine", lifespan=lifespan)
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, error: APIError) -> JSONResponse:
-        return _error(error.status, error.message, error.kind, error.param, error.code)
+        return JSONResponse(error.body(), status_code=error.status)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, error: RequestValidationError) -> JSONResponse:
         first = error.errors()[0] if error.errors() else {}
         param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        return _error(
-            400, f"{param or 'body'}: {first.get('msg', 'invalid request')}", "invalid_request_error", param
-        )
+        message = f"{param or 'body'}: {first.get('msg', 'invalid request')}"
+        return JSONResponse(APIError(400, message, param=param).body(), status_code=400)
 
     @app.get("/v1/models")
     async def models() -> dict:
-        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "prefix-cache"}
+        card = {
+            "id": model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "prefix-cache",
+            "max_model_len": max_len,
+        }
         return {"object": "list", "data": [card]}
 
-    def params_of(body: _Common, max_tokens: int | None) -> SamplingParams:
+    @app.get("/health")
+    async def health() -> PlainTextResponse:
+        alive = "w" in worker and worker["w"].alive
+        return PlainTextResponse(
+            "ok" if alive else "engine thread stopped", status_code=200 if alive else 503
+        )
+
+    @app.get("/metrics")
+    async def prometheus() -> PlainTextResponse:
+        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    def params_of(
+        body: RequestBody, prompt: list[int], max_tokens: int | None, logprobs: int | None, prompt_param: str
+    ) -> SamplingParams:
+        if len(prompt) >= max_len:
+            raise APIError(
+                400,
+                f"this model's maximum context length is {max_len} tokens; the prompt has {len(prompt)}",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
+        if max_tokens is not None and len(prompt) + max_tokens > max_len:
+            raise APIError(
+                400,
+                f"this model's maximum context length is {max_len} tokens; the prompt has {len(prompt)} and "
+                f"max_tokens is {max_tokens}",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        max_tokens = max_tokens or min(default_max_tokens, max_len - len(prompt))
+        return body.sampling_params(max_tokens, logprobs, vocab_size, chat.stop_token_ids)
+
+    def check_door(body: RequestBody) -> tuple[str, ...]:
         if body.model != model_name:
             raise APIError(
                 404,
@@ -197,83 +143,92 @@ def create_app(
                 param="model",
                 code="model_not_found",
             )
-        if body.stop:
-            raise APIError(400, "stop strings are not supported; use ignore_eos or max_tokens", param="stop")
-        if body.logprobs:
-            raise APIError(400, "logprobs are not supported", param="logprobs")
-        return SamplingParams(
-            max_tokens=max_tokens or default_max_tokens,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            n=body.n,
-            seed=body.seed,
-            ignore_eos=body.ignore_eos,
-        )
+        body.check_supported()
+        return body.stop_strings()
 
-    async def collect(events: asyncio.Queue, n: int) -> AsyncIterator[tuple[int, list[int], str | None]]:
-        """(sample index, its tokens so far, finish reason) after every token, until all n finish."""
-        outputs: list[list[int]] = [[] for _ in range(n)]
-        finished = 0
-        while finished < n:
-            index, token, reason = await events.get()
-            outputs[index].append(token)
-            finished += reason is not None
-            yield index, outputs[index], reason
-
-    def visible(tokens: list[int], reason: str | None) -> str:
-        # A reply's stop token is not part of its text.
-        if reason == "stop" and tokens and tokens[-1] in chat.stop_token_ids:
-            tokens = tokens[:-1]
-        return chat.decode(tokens)
-
-    async def respond(kind: str, prompt: list[int], params: SamplingParams, stream: bool, return_ids: bool):
-        w = worker["w"]
+    async def respond(
+        http: Request,
+        kind: str,
+        prompt: list[int],
+        params: SamplingParams,
+        body: RequestBody,
+        stop: tuple[str, ...],
+    ):
+        w = worker.get("w")
+        if w is None or not w.alive:
+            raise APIError(503, "the engine is not running", kind="server_error")
         request_id, events, accepted = w.submit(prompt, params)
         try:
             await asyncio.wrap_future(accepted)
         except ValueError as error:
             raise APIError(400, str(error), param="prompt") from None
-        created = int(time.time())
-        chat_kind = kind == "chat"
+        except Exception as error:  # the engine could not take it: not the client's fault
+            message = f"the engine could not take this request: {type(error).__name__}: {error}"
+            raise APIError(500, message, kind="server_error") from None
+        output = RequestOutput(chat, params.n, stop, params.stop_token_ids | chat.stop_token_ids)
+        chat_kind, include_usage = (
+            kind == "chat",
+            bool(body.stream_options and body.stream_options.include_usage),
+        )
         base = {
             "id": ("chatcmpl-" if chat_kind else "cmpl-") + request_id,
-            "created": created,
+            "created": int(time.time()),
             "model": model_name,
         }
-        if not stream:
-            texts, reasons, count = [""] * params.n, [None] * params.n, 0
-            ids: list[list[int]] = [[] for _ in range(params.n)]
-            async for index, tokens, reason in collect(events, params.n):
-                count += 1
-                if reason is not None:
-                    texts[index], reasons[index], ids[index] = visible(tokens, reason), reason, tokens
-            if chat_kind:
-                choices = [
-                    {"index": i, "message": {"role": "assistant", "content": t}, "finish_reason": r}
-                    for i, (t, r) in enumerate(zip(texts, reasons, strict=True))
-                ]
-            else:
-                choices = [
-                    {"index": i, "text": t, "logprobs": None, "finish_reason": r}
-                    for i, (t, r) in enumerate(zip(texts, reasons, strict=True))
-                ]
-            if return_ids:
-                for choice, tokens in zip(choices, ids, strict=True):
-                    choice["token_ids"] = tokens
-            usage = {
-                "prompt_tokens": len(prompt),
-                "completion_tokens": count,
-                "total_tokens": len(prompt) + count,
-            }
+        logprobs = params.logprobs is not None
+
+        def usage() -> dict:
+            completion = sum(len(s.ids) for s in output.samples)
             return {
-                **base,
-                "object": "chat.completion" if chat_kind else "text_completion",
-                "choices": choices,
-                "usage": usage,
+                "prompt_tokens": len(prompt),
+                "completion_tokens": completion,
+                "total_tokens": len(prompt) + completion,
+                "prompt_tokens_details": {"cached_tokens": output.cached_tokens},
             }
 
+        def consume(batch: list[tuple]) -> list[tuple]:
+            """In a worker thread: take the events, return the new pieces (stop strings cut)."""
+            for code, value, reason, logprob in batch:
+                if code == ERROR:
+                    raise APIError(500, f"the engine failed this request: {value}", kind="server_error")
+                if code == CACHED:
+                    output.cached_tokens = value
+                elif output.add(code, value, reason, logprob):
+                    w.abort(request_id, code, "stop")
+            return output.pieces()
+
+        async def batches() -> AsyncIterator[list[tuple]]:
+            while not output.finished:
+                batch = [await events.get()]
+                while not events.empty():
+                    batch.append(events.get_nowait())
+                yield await asyncio.to_thread(consume, batch)
+
+        if not body.stream:
+            done = False
+            generate = asyncio.ensure_future(_drain(batches()))
+            try:
+                while not generate.done():
+                    await asyncio.wait({generate}, timeout=DISCONNECT_POLL_S)
+                    if not generate.done() and await http.is_disconnected():
+                        generate.cancel()
+                        log.info("request %s: client went away, aborted", request_id)
+                        return JSONResponse({}, status_code=499)
+                generate.result()
+                done = True
+            finally:
+                if not done:
+                    generate.cancel()
+                    w.abort(request_id)
+            choices = await asyncio.to_thread(
+                lambda: [
+                    choice_of(chat_kind, output, i, body.return_token_ids, logprobs) for i in range(params.n)
+                ]
+            )
+            obj = "chat.completion" if chat_kind else "text_completion"
+            return {**base, "object": obj, "choices": choices, "usage": usage()}
+
         async def sse() -> AsyncIterator[str]:
-            sent, sent_ids = [""] * params.n, [0] * params.n
             obj = "chat.completion.chunk" if chat_kind else "text_completion"
             done = False
             try:
@@ -285,79 +240,112 @@ def create_app(
                             "finish_reason": None,
                         }
                         yield f"data: {json.dumps({**base, 'object': obj, 'choices': [delta]})}\n\n"
-                async for index, tokens, reason in collect(events, params.n):
-                    text = visible(tokens, reason)
-                    if reason is None and text.endswith("\ufffd"):
-                        continue  # a character cut in the middle of its bytes: wait for the rest
-                    piece, sent[index] = text[len(sent[index]) :], text
-                    if chat_kind:
-                        choice = {"index": index, "delta": {"content": piece}, "finish_reason": reason}
-                    else:
-                        choice = {"index": index, "text": piece, "logprobs": None, "finish_reason": reason}
-                    if return_ids:
-                        choice["token_ids"], sent_ids[index] = tokens[sent_ids[index] :], len(tokens)
-                    yield f"data: {json.dumps({**base, 'object': obj, 'choices': [choice]})}\n\n"
+                try:
+                    async for pieces in batches():
+                        for piece in pieces:
+                            choice = chunk_choice(chat_kind, output, piece, body.return_token_ids, logprobs)
+                            if choice is not None:
+                                yield f"data: {json.dumps({**base, 'object': obj, 'choices': [choice]})}\n\n"
+                except APIError as error:  # the headers went out with 200: the error is the last event
+                    done = True
+                    yield f"data: {json.dumps(error.body())}\n\n"
+                    return
+                if include_usage:
+                    yield f"data: {json.dumps({**base, 'object': obj, 'choices': [], 'usage': usage()})}\n\n"
                 done = True
                 yield "data: [DONE]\n\n"
             finally:
                 if not done:  # the client went away: stop generating for it
                     w.abort(request_id)
+                    log.info("request %s: client went away, aborted", request_id)
 
         return StreamingResponse(sse(), media_type="text/event-stream")
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionBody):
-        params = params_of(body, body.max_tokens)
-        prompt = chat.encode(body.prompt).tolist() if isinstance(body.prompt, str) else body.prompt
-        return await respond("completion", prompt, params, body.stream, body.return_token_ids)
+    async def completions(http: Request, body: CompletionBody):
+        stop = check_door(body)
+        if isinstance(body.prompt, str):
+            prompt = (await asyncio.to_thread(chat.encode, body.prompt)).tolist()
+        else:
+            prompt = body.prompt
+        params = params_of(body, prompt, body.max_tokens, body.logprobs, "prompt")
+        return await respond(http, "completion", prompt, params, body, stop)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatBody):
-        params = params_of(body, body.max_completion_tokens or body.max_tokens)
-        prompt = chat.render([m.model_dump() for m in body.messages]).tolist()
-        return await respond("chat", prompt, params, body.stream, body.return_token_ids)
+    async def chat_completions(http: Request, body: ChatBody):
+        stop = check_door(body)
+        messages = body.chat_messages()
+        prompt = (await asyncio.to_thread(chat.render, messages)).tolist()
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        if body.top_logprobs and not body.logprobs:
+            raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
+        params = params_of(body, prompt, body.max_completion_tokens or body.max_tokens, logprobs, "messages")
+        return await respond(http, "chat", prompt, params, body, stop)
 
     return app
 
 
+async def _drain(pieces: AsyncIterator[list]) -> None:
+    async for _ in pieces:
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
-    from .engine import EngineConfig
-    from .loading import load_model
-    from .scheduler import SchedulerConfig
-
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument(
-        "--model", default="smollm2", help="smollm2 (real weights), dummy-8b or dummy-1b (random)"
+    from .options import (
+        add_engine_options,
+        add_model_options,
+        check_device,
+        engine_config,
+        ranged_int,
+        run_cli,
     )
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--backend", default="torch", choices=["torch", "triton", "flashinfer"])
-    ap.add_argument("--num-pages", type=int, default=4096)
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
-    ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--max-batched-tokens", type=int, default=512)
-    ap.add_argument("--max-num-seqs", type=int, default=64)
-    ap.add_argument("--no-prefix-caching", action="store_true")
-    ap.add_argument("--no-cascade", action="store_true")
+
+    ap = argparse.ArgumentParser(
+        prog="python -m examples.engine.server",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_model_options(ap)
+    add_engine_options(ap)
     ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000)
-    args = ap.parse_args(argv)
-
-    import uvicorn
-
-    model, chat = load_model(args.model, args.device)
-    config = EngineConfig(
-        num_pages=args.num_pages,
-        page_size=args.page_size,
-        kv_cache_dtype=args.kv_cache_dtype,
-        backend=args.backend,
-        cascade=not args.no_cascade,
-        scheduler=SchedulerConfig(args.max_batched_tokens, args.max_num_seqs, not args.no_prefix_caching),
+    ap.add_argument("--port", type=ranged_int(0, 65535), default=8000)
+    ap.add_argument(
+        "--max-model-len", type=ranged_int(2), help="tokens per request (default: the model's context)"
     )
-    engine = LLMEngine(model, config, chat.stop_token_ids)
-    if args.model != "smollm2":
-        print(f"{args.model}: random weights at real shapes: text is meaningless, timings are real")
-    uvicorn.run(create_app(engine, chat, args.model), host=args.host, port=args.port, log_level="warning")
-    return 0
+    ap.add_argument(
+        "--max-tokens-default", type=ranged_int(1), default=256, help="max_tokens when a request has none"
+    )
+    ap.add_argument(
+        "--max-body-bytes", type=ranged_int(1024), default=4 * 1024 * 1024, help="larger bodies get 413"
+    )
+    ap.add_argument("--log-interval", type=ranged_int(1), default=10, help="seconds between throughput lines")
+    args = ap.parse_args(argv)
+    check_device(ap, args)
+
+    def serve() -> int:
+        import uvicorn
+
+        from .loading import load_model
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        model, chat = load_model(args.model, args.device)
+        engine = LLMEngine(model, engine_config(args), chat.stop_token_ids)
+        if args.model != "smollm2":
+            log.info("%s: random weights at real shapes: text is meaningless, timings are real", args.model)
+        app = create_app(
+            engine,
+            chat,
+            args.model,
+            args.max_tokens_default,
+            args.max_model_len,
+            args.max_body_bytes,
+            args.log_interval,
+        )
+        app.state.address = f"http://{args.host}:{args.port}"
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        return 0
+
+    return run_cli(ap, serve)
 
 
 if __name__ == "__main__":
