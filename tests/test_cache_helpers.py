@@ -29,6 +29,7 @@ def snapshot(cache: PrefixCache) -> tuple:
             n.tick,
             n.lru_serial,
             child_keys(n),
+            sorted((seq._id, start) for seq, start in (n.copies or {}).items()),
         )
         for n in tree.nodes()
     )

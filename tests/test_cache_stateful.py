@@ -13,7 +13,7 @@ Models, none of which reads the cache's tree or a sequence's internals:
   unreferenced leaves (LRU), and ``num_evictable_pages`` the number of unreferenced prefixes.
 - ``kv``: what the engine wrote into each page slot, as (namespace, tokens up to and including
   that slot). Every page a sequence gets from the cache must hold the KV of exactly its prompt.
-- page accounting: free + evictable + held by live sequences = all pages, OutOfPages only when
+- page accounting: free + evictable + in live block tables = all pages, OutOfPages only when
   the pool truly cannot supply, and an error leaves the whole state unchanged.
 """
 
@@ -62,7 +62,6 @@ class Live:
     tokens: list[int] = field(default_factory=list)  # committed tokens, as the engine knows them
     held: list[tuple[int, ...]] = field(default_factory=list)  # cached prefixes it holds, in order
     broken: bool = False  # a page collided: it and all later ones stay private
-    copies: int = 0  # held prefixes it computed itself after another sequence cached them
     images: list = field(default_factory=list)  # its prompt's extra keys
     extras: dict[int, bytes] = field(default_factory=dict)  # their identity bytes per page
 
@@ -153,7 +152,6 @@ class CacheMachine(RuleBasedStateMachine):
             prefix = tuple(tokens[: (index + 1) * ps])
             if prefix in self.cached[ns]:
                 self.hold(live, prefix)  # cached by another sequence meanwhile: hold that copy
-                live.copies += 1
                 continue
             parent = prefix[:-ps]
             parent_key = self.cached[ns][parent] if parent else namespace_seed(ns)
@@ -501,11 +499,10 @@ class CacheMachine(RuleBasedStateMachine):
             1 for ns, cached in self.cached.items() for prefix in cached if not self.refs.get((ns, prefix))
         )
         assert cache.num_evictable_pages == unreferenced
-        # Every page is free, cached, or private to one live sequence: its pages past those it holds
-        # in the tree, and its own copies of blocks another sequence cached first.
-        private = sum(len(live.seq.block_table) - len(live.held) + live.copies for live in self.live)
-        cached = sum(len(prefixes) for prefixes in self.cached.values())
-        assert cache.num_free_pages + cached + private == self.num_pages
+        # Every page is free, evictable or in a live block table: a cached page that no live block
+        # table has (its sequence closed, another holds its own copy) is never lost.
+        tables = {page for live in self.live for page in live.seq.block_table.tolist()}
+        assert cache.num_free_pages + cache.num_evictable_pages + len(tables) == self.num_pages
         for live in self.live:
             assert live.seq.num_tokens == len(live.tokens)
 

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from array import array
 
+import numpy as np
+
 from prefix_cache.cache.block_tree import BlockTree, check_key
 from prefix_cache.cache.errors import OutOfPages
 from prefix_cache.cache.event_log import EventLog
 from prefix_cache.cache.page_pool import PagePool
 from prefix_cache.cache.sequence import Sequence
-from prefix_cache.cache.tree_nodes import NO_WALK, Root
+from prefix_cache.cache.tree_nodes import NO_WALK, Node, Root, Walk
 
 
 class PageStore:
@@ -172,9 +174,7 @@ class PageStore:
         # From here on nothing can fail.
         seq._num_full_pages = full
         if twins:
-            # The block table keeps the sequence's own copies, private until close.
-            seq._node = after = tree.hold(walk, None)
-            seq._dups = [*seq._dups, *seq._pages[first : first + twins].tolist()]
+            seq._node = after = self._hold_twins(seq, walk, first)
             seq._num_held = first + twins
             self.duplicate_pages += twins
         if twins == count:
@@ -213,6 +213,65 @@ class PageStore:
             seq._broken = True
             self.collision_pages += count - twins - stored
 
+    def _hold_twins(self, seq: Sequence, walk: Walk, first: int) -> Node:
+        """Hold the runs of ``walk`` (below ``seq._node``), the cached twins of the pages of
+        ``seq`` from page ``first`` on; returns the deepest. The block table keeps the sequence's
+        own copies (it is append-only): private until close, the sequence listed in each run's
+        ``copies``. A run that nobody held (evictable) takes the sequence's copy instead, so that
+        its pages are in a live block table, and its own pages go back to the pool."""
+        parent = seq._node
+        last = self.tree.hold(walk, None)
+        nodes = []
+        node = last
+        while node is not parent:
+            nodes.append(node)
+            node = node.parent
+        start = first
+        dups = list(seq._dups)
+        for node in reversed(nodes):
+            size = len(node.pages)
+            if node.ref == 1:
+                self.pool.free += node.pages
+                node.pages = int_pages(seq._pages[start : start + size])
+            else:
+                if node.copies is None:
+                    node.copies = {}
+                node.copies[seq] = start
+                dups += seq._pages[start : start + size].tolist()
+            start += size
+        seq._dups = dups
+        return last
+
+    def forget_copies(self, seq: Sequence) -> None:
+        """``seq``, about to release its path, no longer holds its own copies of those runs."""
+        node = seq._node
+        root = seq._root
+        while node is not root:
+            copies = node.copies
+            if copies is not None and seq in copies:
+                if len(copies) == 1:
+                    node.copies = None
+                else:
+                    del copies[seq]
+            node = node.parent
+
+    def adopt(self, nodes: list[Node]) -> None:
+        """Each of ``nodes`` (from ``BlockTree.release``) is held only by sequences with their own
+        copies of its run: one of them becomes the run's pages (no longer private to it) and the
+        run's pages, in no live block table now, go back to the pool."""
+        for node in nodes:
+            copies = node.copies
+            seq, start = next(iter(copies.items()))
+            if len(copies) == 1:
+                node.copies = None
+            else:
+                del copies[seq]
+            pages = int_pages(seq._pages[start : start + len(node.pages)])
+            self.pool.free += node.pages
+            node.pages = pages
+            adopted = set(pages)
+            seq._dups = [page for page in seq._dups if page not in adopted]
+
     def evict(self, num_pages: int) -> int:
         """Evict up to ``num_pages`` pages in LRU order, with ``BlockRemoved`` events (one per run
         of pages of one namespace); returns the number evicted."""
@@ -241,3 +300,10 @@ class PageStore:
             count += len(pages)
         self.evicted_pages += count
         return evicted, count
+
+
+def int_pages(table: np.ndarray) -> array:
+    """A slice of an int32 block table as the tree's ``array('i')`` of page ids."""
+    pages = array("i")
+    pages.frombytes(table.tobytes())
+    return pages

@@ -232,12 +232,12 @@ class PrefixCache:
         check_namespace(namespace)
         extra_tokens = check_int("extra_tokens", extra_tokens, 0)
         extras = page_extras(extra_keys, len(arr), self._page_size)
-        seq = self._new_sequence(arr, namespace, extra_tokens)
         if not self._lock.acquire(False):
             self._concurrent()
         try:
             walk = self._prefix_walk(arr, namespace, extras)
-            needed = -(-(len(arr) + extra_tokens) // self._page_size) - walk.pages
+            end = len(arr) + extra_tokens
+            needed = -(-end // self._page_size) - walk.pages
             # Pages of the matched runs nobody holds: admitting locks them.
             locked = 0
             nodes = walk.nodes
@@ -248,8 +248,12 @@ class PrefixCache:
             available = len(self._pool.free) + self._tree.num_unreferenced - locked
             if needed > available:
                 raise OutOfPages(needed, available)
+            # Sized once the pool is known to supply the pages (``extra_tokens`` may be huge), and
+            # before the first change, so a MemoryError changes nothing.
+            seq = self._new_sequence(arr, namespace, extra_tokens)
             self._open(seq, arr, namespace, extras, walk)
-            self._store.allocate(seq, len(arr) + extra_tokens)
+            if end > seq._capacity:
+                self._store.allocate(seq, end)
             return seq
         finally:
             self._lock.release()
@@ -472,7 +476,11 @@ class PrefixCache:
             tree = self._tree
             root = seq._root
             if seq._node is not root:
-                tree.release(seq._node, root)
+                if seq._dups:
+                    self._store.forget_copies(seq)
+                orphans = tree.release(seq._node, root)
+                if orphans is not None:
+                    self._store.adopt(orphans)
             pool = self._pool
             pool.put_table(seq._pages[seq._num_held : seq._num_pages])
             if seq._dups:
