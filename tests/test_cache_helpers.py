@@ -15,7 +15,9 @@ from prefix_cache.cache.tree_nodes import Node
 
 
 def snapshot(cache: PrefixCache) -> tuple:
-    """Everything the cache's behaviour depends on, as comparable plain data."""
+    """Everything the cache's behaviour depends on, as comparable plain data (after the pages the
+    decode path deferred are cached, as any call that reads the tree does first)."""
+    assert cache.num_cached_pages >= 0  # caches the deferred pages
     tree = cache._tree
     nodes = sorted(
         (

@@ -518,27 +518,6 @@ class BlockTree:
             self.version += 1
         return evicted
 
-    def evict_from_run(self) -> tuple[Root, int, int] | None:
-        """``evict(1)`` in the decode loop's case with a full pool: the victim, the oldest
-        candidate in ``recent``, has more pages than one (and no extra keys), so its last page
-        goes and the run keeps its place. Returns ``(root, page, key)``, or None, changing
-        nothing, in any other case (``evict`` then)."""
-        recent = self.recent
-        if not recent:
-            return None
-        node = next(iter(recent))
-        older = self.older
-        if (older and older[0][0] < node.tick) or len(node.pages) < 2 or node.extras is not None:
-            return None
-        key = node.keys.pop()
-        root = node.root
-        root.index.discard(key)
-        del node.tokens[-self.page_bytes :]
-        self.num_pages -= 1
-        self.num_unreferenced -= 1
-        self.version += 1
-        return root, node.pages.pop(), key
-
     def _push_older(self, parent: Node) -> None:
         """``parent``, unreferenced, became a leaf by eviction: it waits in the heap with its own
         (older) tick."""

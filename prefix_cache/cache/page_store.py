@@ -34,6 +34,7 @@ class PageStore:
         "events",
         "evicted_pages",
         "page_size",
+        "pending",
         "pool",
         "stored_pages",
         "tree",
@@ -50,23 +51,23 @@ class PageStore:
         self.duplicate_pages = 0
         self.collision_pages = 0
         self.evicted_pages = 0
+        #: Sequences whose newly full pages wait for ``flush`` (see ``defer_page``), in the order
+        #: of their first such page.
+        self.pending: list[Sequence] = []
 
     def allocate(self, seq: Sequence, end: int) -> None:
         """New pages so ``seq`` can hold ``end`` tokens (``PrefixCache.allocate`` past the last
-        page), evicting when the pool is short; all or nothing: ``OutOfPages`` changes nothing."""
+        page), evicting what the pool lacks; all or nothing: ``OutOfPages`` changes nothing."""
         page_size = self.page_size
         free = self.pool.free
         count = seq._num_pages
-        if end <= seq._capacity + page_size and count < len(seq._pages):
-            # One more page and room for it, the decode loop's case, written out: from the pool,
-            # else from the end of the oldest run. Anything else takes the general path below.
-            page = free.pop() if free else self._evict_from_run()
-            if page is not None:
-                seq._pages_int[count] = page
-                seq._num_pages = count + 1
-                seq._capacity += page_size
-                seq._num_allocated = end
-                return
+        if free and end <= seq._capacity + page_size and count < len(seq._pages):
+            # One more page from the pool, the decode loop's case, written out.
+            seq._pages_int[count] = free.pop()
+            seq._num_pages = count + 1
+            seq._capacity += page_size
+            seq._num_allocated = end
+            return
         num_pages = -(-end // page_size)
         needed = num_pages - count
         short = needed - len(free)
@@ -80,18 +81,45 @@ class PageStore:
         seq._add_pages(self.pool.take(needed), page_size)
         seq._num_allocated = end
 
-    def _evict_from_run(self) -> int | None:
-        """The page of ``tree.evict_from_run``, evicted with its event, or None (nothing changed)
-        when the oldest candidate is not a run of several pages: ``evict`` then."""
-        one = self.tree.evict_from_run()
-        if one is None:
-            return None
-        root, page, key = one
-        self.evicted_pages += 1
-        events = self.events
-        if events is not None:
-            events.emit(([key], root.namespace))
-        return page
+    def defer_page(self, seq: Sequence, end: int, token: int) -> None:
+        """``token``, at ``end - 1``, filled a page of ``seq`` (the decode path, ``seq`` not in
+        ``pending``). In the decode loop's case (the page goes at the end of the sequence's own
+        leaf run, keys from the default hash) the page waits in ``pending`` with every page the
+        sequence fills after it, until ``flush`` caches them all in one batch: one hash pass, one
+        extension of the run and one event per sequence instead of per page. Anything else is
+        cached now, after the waiting pages.
+
+        ``PrefixCache`` flushes before anything that reads the tree or caches pages otherwise,
+        so every match, event and count sees what caching each page at once gives. (Only
+        eviction runs between: it takes unreferenced runs, never a waiting page's run or its
+        ancestors; a waiting page's key is claimed at the flush, which differs from claiming it
+        at once only when a 64-bit key collides with a key evicted in between.)"""
+        leaf = seq._node
+        if (
+            leaf.ref == 1
+            and leaf.child is None
+            and leaf.children is None
+            and leaf is not seq._root
+            and not seq._broken
+            and not seq._extras
+            and not self.tree.check_keys
+        ):
+            seq._dirty = True
+            self.pending.append(seq)
+            return
+        if self.pending:
+            self.flush()
+        self.store_page(seq, end, token)
+
+    def flush(self) -> None:
+        """Cache the full pages of the sequences in ``pending`` (``store_full_pages`` each), in
+        the order they were deferred. Their runs are still leaves only they hold: everything else
+        that could change that (a match, a close, a page cached otherwise) flushes first."""
+        pending = self.pending
+        self.pending = []
+        for seq in pending:
+            seq._dirty = False
+            self.store_full_pages(seq, seq._num_tokens)
 
     def store_page(self, seq: Sequence, end: int, token: int) -> None:
         """``store_full_pages`` for the one page that ``token``, at ``end - 1``, filled (the

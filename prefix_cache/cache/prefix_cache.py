@@ -97,6 +97,7 @@ class PrefixCache:
         if hash_fn is not None:
             check_hash_fn(hash_fn, self._page_size)
         self._events = EventLog(max_events) if record_events else None
+        self._live: set[Sequence] = set()
         self._store = PageStore(
             PagePool(self._num_pages),
             BlockTree(default_hash_fn if hash_fn is None else hash_fn, self._page_size),
@@ -105,7 +106,6 @@ class PrefixCache:
         # The store's pool and tree, read by the calls that only check or release.
         self._pool = self._store.pool
         self._tree = self._store.tree
-        self._live: set[Sequence] = set()
         self._block_tables = BlockTableWriter()
         # Held (never waited on) by every call that touches shared state, see the class docstring.
         self._lock = threading.Lock()
@@ -142,6 +142,8 @@ class PrefixCache:
     @property
     def num_cached_pages(self) -> int:
         """Pages in the block tree (matchable), held or not."""
+        if self._store.pending:
+            self._locked_flush()
         return self._tree.num_pages
 
     @property
@@ -152,6 +154,8 @@ class PrefixCache:
     def stats(self) -> CacheStats:
         """A snapshot of the counters and the occupancy now."""
         store = self._store
+        if store.pending:
+            self._locked_flush()
         return CacheStats(
             query_tokens=self._query_tokens,
             hit_tokens=self._hit_tokens,
@@ -183,6 +187,8 @@ class PrefixCache:
         if not self._lock.acquire(False):
             self._concurrent()
         try:
+            if self._store.pending:
+                self._store.flush()
             return self._prefix_walk(arr, namespace, extras).pages * self._page_size
         finally:
             self._lock.release()
@@ -209,6 +215,8 @@ class PrefixCache:
         if not self._lock.acquire(False):
             self._concurrent()
         try:
+            if self._store.pending:
+                self._store.flush()
             self._open(seq, arr, namespace, extras, self._prefix_walk(arr, namespace, extras))
             return seq
         finally:
@@ -235,6 +243,8 @@ class PrefixCache:
         if not self._lock.acquire(False):
             self._concurrent()
         try:
+            if self._store.pending:
+                self._store.flush()
             walk = self._prefix_walk(arr, namespace, extras)
             end = len(arr) + extra_tokens
             needed = -(-end // self._page_size) - walk.pages
@@ -260,8 +270,10 @@ class PrefixCache:
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         """Reserve slots for the next ``num_tokens`` tokens of ``seq`` after those already reserved,
-        taking pages from the free pool and evicting cached pages when it is empty. New pages are
-        appended to ``seq.block_table``; its earlier entries never change.
+        taking pages from the free pool and evicting cached pages when it is empty (least recently
+        used first; for one more page, a decode step's worth at once: a page per ``page_size``
+        open sequences, so the next sequences' pages are free). New pages are appended to
+        ``seq.block_table``; its earlier entries never change.
 
         All or nothing: raises ``OutOfPages`` (and changes nothing) when even evicting every
         evictable page would not supply enough pages.
@@ -287,6 +299,9 @@ class PrefixCache:
         if not self._lock.acquire(False):
             self._concurrent()
         try:
+            if not self._pool.free and end <= seq._capacity + self._page_size:
+                # One more page from an empty pool: evict the decode step's pages in one batch.
+                self._store.evict(-(-len(self._live) // self._page_size))
             self._store.allocate(seq, end)
         finally:
             self._lock.release()
@@ -323,12 +338,12 @@ class PrefixCache:
             if token >= 0:
                 seq._tokens_int[n] = token
                 n += 1
-                if n % self._page_size == 0:
+                if n % self._page_size == 0 and not seq._dirty:
                     lock = self._lock
                     if not lock.acquire(False):
                         self._concurrent()
                     try:
-                        self._store.store_page(seq, n, token)
+                        self._store.defer_page(seq, n, token)
                     finally:
                         lock.release()
                 seq._num_tokens = n
@@ -395,9 +410,13 @@ class PrefixCache:
         if not self._lock.acquire(False):
             self._concurrent()
         try:
-            available = len(self._pool.free) + self._tree.num_unreferenced
+            free = len(self._pool.free)
+            available = free + self._tree.num_unreferenced
             if needed > available:
                 raise OutOfPages(needed, available)
+            if needed > free:
+                # The step's pages, evicted in one batch.
+                self._store.evict(needed - free)
             for seq in short:
                 pages = -(-(seq._num_allocated + num_tokens) // page_size)
                 if pages > len(seq._pages):
@@ -432,8 +451,8 @@ class PrefixCache:
                 n = seq._num_tokens
                 seq._tokens_int[n] = token
                 n += 1
-                if n % page_size == 0:
-                    self._store.store_page(seq, n, token)
+                if n % page_size == 0 and not seq._dirty:
+                    self._store.defer_page(seq, n, token)
                 seq._num_tokens = n
         finally:
             lock.release()
@@ -473,6 +492,8 @@ class PrefixCache:
         if not self._lock.acquire(False):
             self._concurrent()
         try:
+            if self._store.pending:
+                self._store.flush()
             tree = self._tree
             root = seq._root
             if seq._node is not root:
@@ -504,6 +525,8 @@ class PrefixCache:
         if not self._lock.acquire(False):
             self._concurrent()
         try:
+            if self._store.pending:
+                self._store.flush()
             return self._store.evict(num_pages)
         finally:
             self._lock.release()
@@ -540,6 +563,8 @@ class PrefixCache:
         if not self._lock.acquire(False):
             self._concurrent()
         try:
+            if self._store.pending:
+                self._store.flush()
             return [] if self._events is None else self._events.drain(self._tree)
         finally:
             self._lock.release()
@@ -619,6 +644,8 @@ class PrefixCache:
         if not self._lock.acquire(False):
             self._concurrent()
         try:
+            if self._store.pending:
+                self._store.flush()
             self._store.store_full_pages(seq, end)
         finally:
             self._lock.release()
@@ -633,4 +660,15 @@ class PrefixCache:
         live sequences through it); that the LRU candidates are exactly the unreferenced leaves;
         and that each live sequence's counters, tokens and block table agree. O(pool + tokens).
         """
+        if self._store.pending:
+            self._locked_flush()
         InvariantChecker(self).run()
+
+    def _locked_flush(self) -> None:
+        """``PageStore.flush`` under the lock: the deferred pages of the decode path are cached."""
+        if not self._lock.acquire(False):
+            self._concurrent()
+        try:
+            self._store.flush()
+        finally:
+            self._lock.release()
