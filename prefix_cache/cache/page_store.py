@@ -51,9 +51,9 @@ class PageStore:
         self.duplicate_pages = 0
         self.collision_pages = 0
         self.evicted_pages = 0
-        #: Sequences whose newly full pages wait for ``flush`` (see ``defer_page``), in the order
-        #: of their first such page.
-        self.pending: list[Sequence] = []
+        #: Sequences whose newly full pages wait to be cached (see ``defer_page``), by the leaf
+        #: run their pages extend, in the order of their first such page.
+        self.pending: dict[Node, Sequence] = {}
 
     def allocate(self, seq: Sequence, end: int) -> None:
         """New pages so ``seq`` can hold ``end`` tokens (``PrefixCache.allocate`` past the last
@@ -82,18 +82,19 @@ class PageStore:
         seq._num_allocated = end
 
     def defer_page(self, seq: Sequence, end: int, token: int) -> None:
-        """``token``, at ``end - 1``, filled a page of ``seq`` (the decode path, ``seq`` not in
-        ``pending``). In the decode loop's case (the page goes at the end of the sequence's own
-        leaf run, keys from the default hash) the page waits in ``pending`` with every page the
-        sequence fills after it, until ``flush`` caches them all in one batch: one hash pass, one
-        extension of the run and one event per sequence instead of per page. Anything else is
-        cached now, after the waiting pages.
+        """``token``, at ``end - 1``, filled a page of ``seq`` (the decode path, ``seq`` not
+        waiting). In the decode loop's case (the page goes at the end of the sequence's own leaf
+        run, keys from the default hash) the page waits in ``pending``, with every page the
+        sequence fills after it, to be cached in one batch (one hash pass, one extension of the
+        run and one event) when something could see it: a walk that ends in that run
+        (``flush_walk_end``: a match, an admission, another sequence's commit), the sequence's
+        own ``close`` or commit of several tokens, and ``flush`` before counts, events and
+        eviction. Anything else is cached now.
 
-        ``PrefixCache`` flushes before anything that reads the tree or caches pages otherwise,
-        so every match, event and count sees what caching each page at once gives. (Only
-        eviction runs between: it takes unreferenced runs, never a waiting page's run or its
-        ancestors; a waiting page's key is claimed at the flush, which differs from claiming it
-        at once only when a 64-bit key collides with a key evicted in between.)"""
+        So every match, event and count sees what caching each page at once gives; a waiting run
+        is a leaf only its sequence holds, which nothing else changes. (A waiting page's key is
+        claimed when it is cached, which differs from claiming it at once only where two 64-bit
+        keys of different blocks collide.)"""
         leaf = seq._node
         if (
             leaf.ref == 1
@@ -105,21 +106,32 @@ class PageStore:
             and not self.tree.check_keys
         ):
             seq._dirty = True
-            self.pending.append(seq)
+            self.pending[leaf] = seq
             return
-        if self.pending:
-            self.flush()
         self.store_page(seq, end, token)
 
     def flush(self) -> None:
-        """Cache the full pages of the sequences in ``pending`` (``store_full_pages`` each), in
-        the order they were deferred. Their runs are still leaves only they hold: everything else
-        that could change that (a match, a close, a page cached otherwise) flushes first."""
+        """Cache the waiting pages of every sequence in ``pending``, in the order they waited."""
         pending = self.pending
-        self.pending = []
-        for seq in pending:
+        self.pending = {}
+        for seq in pending.values():
             seq._dirty = False
             self.store_full_pages(seq, seq._num_tokens)
+
+    def flush_seq(self, seq: Sequence) -> None:
+        """Cache the waiting pages of ``seq`` (which waits)."""
+        del self.pending[seq._node]
+        seq._dirty = False
+        self.store_full_pages(seq, seq._num_tokens)
+
+    def flush_walk_end(self, walk: Walk) -> bool:
+        """When ``walk`` ends in the run of a waiting sequence, cache that sequence's waiting pages
+        (the walk must then be taken again) and return True; else False, nothing changed."""
+        seq = self.pending.get(walk.nodes[-1]) if walk.nodes else None
+        if seq is None:
+            return False
+        self.flush_seq(seq)
+        return True
 
     def store_page(self, seq: Sequence, end: int, token: int) -> None:
         """``store_full_pages`` for the one page that ``token``, at ``end - 1``, filled (the
@@ -191,6 +203,8 @@ class PageStore:
             walk = NO_WALK
         else:
             walk = tree.walk(parent, data, count, extras)
+            if self.pending and self.flush_walk_end(walk):
+                walk = tree.walk(parent, data, count, extras)
         twins = walk.pages
         after = walk.last(parent)
         # The key of the last twin (which may end inside its run), or of the sequence's last page.

@@ -187,8 +187,6 @@ class PrefixCache:
         if not self._lock.acquire(False):
             self._concurrent()
         try:
-            if self._store.pending:
-                self._store.flush()
             return self._prefix_walk(arr, namespace, extras).pages * self._page_size
         finally:
             self._lock.release()
@@ -215,8 +213,6 @@ class PrefixCache:
         if not self._lock.acquire(False):
             self._concurrent()
         try:
-            if self._store.pending:
-                self._store.flush()
             self._open(seq, arr, namespace, extras, self._prefix_walk(arr, namespace, extras))
             return seq
         finally:
@@ -243,8 +239,6 @@ class PrefixCache:
         if not self._lock.acquire(False):
             self._concurrent()
         try:
-            if self._store.pending:
-                self._store.flush()
             walk = self._prefix_walk(arr, namespace, extras)
             end = len(arr) + extra_tokens
             needed = -(-end // self._page_size) - walk.pages
@@ -492,8 +486,8 @@ class PrefixCache:
         if not self._lock.acquire(False):
             self._concurrent()
         try:
-            if self._store.pending:
-                self._store.flush()
+            if seq._dirty:
+                self._store.flush_seq(seq)
             tree = self._tree
             root = seq._root
             if seq._node is not root:
@@ -626,16 +620,25 @@ class PrefixCache:
         if root.is_leaf or len(arr) <= page_size:
             return NO_WALK
         tree = self._tree
+        store = self._store
         num_pages = (len(arr) - 1) // page_size
         data = arr.tobytes()
         if extras:
-            return tree.walk(root, data, num_pages, [extras.get(i, b"") for i in range(num_pages)])
+            page_extras = [extras.get(i, b"") for i in range(num_pages)]
+            walk = tree.walk(root, data, num_pages, page_extras)
+            if store.pending and store.flush_walk_end(walk):
+                walk = tree.walk(root, data, num_pages, page_extras)
+            return walk
         # Engines call match and then open with the same prompt: reuse the walk while the tree
         # is unchanged (one memcmp of the prompt instead of a walk).
         last = self._last_match
         if last is not None and last[0] is root and last[1] == tree.version and last[2] == data:
-            return last[3]
-        walk = tree.walk(root, data, num_pages, None)
+            walk = last[3]
+        else:
+            walk = tree.walk(root, data, num_pages, None)
+        # A run whose sequence's decoded pages wait (see PageStore.defer_page) may continue.
+        if store.pending and store.flush_walk_end(walk):
+            walk = tree.walk(root, data, num_pages, None)
         self._last_match = (root, tree.version, data, walk)
         return walk
 
@@ -644,8 +647,8 @@ class PrefixCache:
         if not self._lock.acquire(False):
             self._concurrent()
         try:
-            if self._store.pending:
-                self._store.flush()
+            if seq._dirty:
+                self._store.flush_seq(seq)
             self._store.store_full_pages(seq, end)
         finally:
             self._lock.release()
