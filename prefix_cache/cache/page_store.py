@@ -61,13 +61,6 @@ class PageStore:
         page_size = self.page_size
         free = self.pool.free
         count = seq._num_pages
-        if free and end <= seq._capacity + page_size and count < len(seq._pages):
-            # One more page from the pool, the decode loop's case, written out.
-            seq._pages_int[count] = free.pop()
-            seq._num_pages = count + 1
-            seq._capacity += page_size
-            seq._num_allocated = end
-            return
         num_pages = -(-end // page_size)
         needed = num_pages - count
         short = needed - len(free)

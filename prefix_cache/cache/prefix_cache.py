@@ -293,9 +293,20 @@ class PrefixCache:
         if not self._lock.acquire(False):
             self._concurrent()
         try:
-            if not self._pool.free and end <= seq._capacity + self._page_size:
-                # One more page from an empty pool: evict the decode step's pages in one batch.
-                self._store.evict(-(-len(self._live) // self._page_size))
+            page_size = self._page_size
+            if end <= seq._capacity + page_size:
+                # One more page, the decode loop's case, written out. From an empty pool, evict
+                # the decode step's pages in one batch first.
+                free = self._pool.free
+                if not free and self._tree.num_unreferenced:
+                    self._store.evict(-(-len(self._live) // page_size))
+                count = seq._num_pages
+                if free and count < len(seq._pages):
+                    seq._pages_int[count] = free.pop()
+                    seq._num_pages = count + 1
+                    seq._capacity += page_size
+                    seq._num_allocated = end
+                    return
             self._store.allocate(seq, end)
         finally:
             self._lock.release()
