@@ -9,9 +9,9 @@ import numpy as np
 
 from prefix_cache.cache.sequence import Sequence
 
-#: Per row (by the address of its first entry and the entries' stride): the sequence written
-#: there last, its rollbacks then, and the entries written.
-RowMarks = dict[tuple[int, int], tuple[Sequence, int, int]]
+#: Per row (by the address of its first entry): the sequence written there last, its rollbacks
+#: then, and the entries written.
+RowMarks = dict[int, tuple[Sequence, int, int]]
 
 
 class BlockTableWriter:
@@ -21,23 +21,24 @@ class BlockTableWriter:
     with the same number of rollbacks needs only the entries past the ones written then.
 
     A buffer is known by the object that owns its memory (the end of its chain of ``.base``), held
-    through a weak reference: the marks of a buffer go when its owner is freed, so memory reused by
-    a new array is never taken for rows already written, and a caller that passes a new view of
-    one buffer each step (``tables[:n]``) finds the marks of its rows by their addresses.
+    through a weak reference, and the stride of its entries: the marks of a buffer go when its
+    owner is freed, so memory reused by a new array is never taken for rows already written, and a
+    caller that passes a new view of one buffer each step (``tables[:n]``) finds the marks of its
+    rows by their addresses.
     """
 
     __slots__ = ("_buffers",)
 
     def __init__(self) -> None:
-        # id(owner) -> (weak reference to the owner, its rows' marks).
-        self._buffers: dict[int, tuple[weakref.ref, RowMarks]] = {}
+        # (id(owner), entry stride) -> (weak reference to the owner, its rows' marks).
+        self._buffers: dict[tuple[int, int], tuple[weakref.ref, RowMarks]] = {}
 
     def _marks(self, out: np.ndarray) -> RowMarks:
         """The row marks of the memory ``out`` views, new when its owner is new."""
         owner: object = out
         while isinstance(owner, np.ndarray) and owner.base is not None:
             owner = owner.base
-        key = id(owner)
+        key = (id(owner), out.strides[1])
         entry = self._buffers.get(key)
         if entry is not None and entry[0]() is owner:
             return entry[1]
@@ -60,14 +61,14 @@ class BlockTableWriter:
         max_rows, max_pages = out.shape
         marks = self._marks(out)
         address = out.__array_interface__["data"][0]
-        row_stride, column_stride = out.strides
+        row_stride = out.strides[0]
         written = 0
         # Rows are checked as they come: an error leaves the rows before it written and recorded.
         for seq, row in zip(seqs, rows, strict=True):
             if row >= max_rows:
                 raise ValueError(f"rows entry {row} is past out's {max_rows} rows")
             end = seq._num_pages
-            where = (address + row * row_stride, column_stride)
+            where = address + row * row_stride
             mark = marks.get(where)
             if mark is not None and mark[0] is seq and mark[1] == seq._rollbacks:
                 start = mark[2]

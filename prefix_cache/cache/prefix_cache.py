@@ -419,19 +419,25 @@ class PrefixCache:
             available = free + self._tree.num_unreferenced
             if needed > available:
                 raise OutOfPages(needed, available)
-            if needed > free:
-                # The step's pages, evicted in one batch.
-                self._store.evict(needed - free)
             for seq in short:
                 pages = -(-(seq._num_allocated + num_tokens) // page_size)
                 if pages > len(seq._pages):
-                    seq._grow(pages, page_size)  # before any page is taken
-            for seq in seqs:
-                end = seq._num_allocated + num_tokens
-                if end <= seq._capacity:
-                    seq._num_allocated = end
+                    seq._grow(pages, page_size)  # before anything changes
+            if needed > free:
+                # The step's pages, evicted in one batch.
+                self._store.evict(needed - free)
+            pool = self._pool
+            for seq in short:
+                count = seq._num_pages
+                more = -(-(seq._num_allocated + num_tokens) // page_size) - count
+                if more == 1:
+                    seq._pages_int[count] = pool.free.pop()
+                    seq._num_pages = count + 1
+                    seq._capacity += page_size
                 else:
-                    self._store.allocate(seq, end)
+                    seq._add_pages(pool.take(more), page_size)
+            for seq in seqs:
+                seq._num_allocated += num_tokens
         finally:
             self._lock.release()
 
