@@ -166,3 +166,13 @@ def test_admit_of_no_tokens_takes_no_page() -> None:
     one = cache.admit([], extra_tokens=1)
     assert len(one.block_table) == 1 and cache.num_evictable_pages == 1
     assert_accounted(cache, [empty, held, seq, one])
+
+
+def test_write_block_tables_into_memory_without_weak_references() -> None:
+    """A buffer over a bytearray (whose owner takes no weak reference) gets whole rows each time."""
+    cache = PrefixCache(num_pages=64, page_size=2)
+    seqs = [cache.admit([i, i + 1, i + 2]) for i in range(3)]
+    buffer = np.frombuffer(bytearray(4 * 4 * 8), dtype=np.int32).reshape(4, 8)
+    assert cache.write_block_tables(seqs, buffer) == 6
+    assert cache.write_block_tables(seqs, buffer) == 6
+    assert buffer[:3, :2].tolist() == [seq.block_table.tolist() for seq in seqs]
