@@ -168,11 +168,13 @@ def test_admit_of_no_tokens_takes_no_page() -> None:
     assert_accounted(cache, [empty, held, seq, one])
 
 
-def test_write_block_tables_into_memory_without_weak_references() -> None:
-    """A buffer over a bytearray (whose owner takes no weak reference) gets whole rows each time."""
+def test_write_block_tables_into_a_buffer_over_a_bytearray() -> None:
+    """A buffer whose memory a bytearray owns is known through it: only new entries are written,
+    and a new bytearray gets whole rows."""
     cache = PrefixCache(num_pages=64, page_size=2)
     seqs = [cache.admit([i, i + 1, i + 2]) for i in range(3)]
-    buffer = np.frombuffer(bytearray(4 * 4 * 8), dtype=np.int32).reshape(4, 8)
-    assert cache.write_block_tables(seqs, buffer) == 6
-    assert cache.write_block_tables(seqs, buffer) == 6
-    assert buffer[:3, :2].tolist() == [seq.block_table.tolist() for seq in seqs]
+    for _ in range(3):
+        buffer = np.frombuffer(bytearray(4 * 4 * 8), dtype=np.int32).reshape(4, 8)
+        assert cache.write_block_tables(seqs, buffer) == 6
+        assert cache.write_block_tables(seqs, buffer[:3]) == 0
+        assert buffer[:3, :2].tolist() == [seq.block_table.tolist() for seq in seqs]
