@@ -216,3 +216,21 @@ def test_new_pages_after_twins_that_end_inside_a_run() -> None:
     cache.close(a)
     cache.close(c)
     cache.check_invariants()
+
+
+def test_a_commit_that_reaches_waiting_pages_finds_them_cached_first() -> None:
+    """Another sequence commits the blocks a decoding sequence has waiting: as when each page is
+    cached at its commit, the decoding sequence's pages are the cached ones, the other's copies."""
+    cache = PrefixCache(num_pages=64, page_size=1)
+    first = cache.admit([1, 2, 3, 4])
+    cache.commit(first, [1, 2, 3, 4])
+    second = cache.open([1, 2, 9])  # holds [1, 2]: the run splits, [3, 4] is the first's alone
+    for token in (5, 6):  # wait at the end of the first's run
+        cache.allocate(first, 1)
+        cache.commit(first, [token])
+    cache.allocate(second, 4)
+    cache.commit(second, [3, 4, 5, 6])
+    assert cache.stats.duplicate_pages == 4
+    third = cache.open([1, 2, 3, 4, 5, 6, 0])
+    assert third.block_table.tolist() == first.block_table.tolist()[:6]
+    cache.check_invariants()

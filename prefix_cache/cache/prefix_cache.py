@@ -78,8 +78,15 @@ class PrefixCache:
     Threading: one ``PrefixCache`` belongs to one scheduler thread; calls must not overlap. Every
     call that touches shared state (the tree, the free pages, events) takes a non-blocking lock
     and raises ``ConcurrentUseError`` if another thread is inside the cache, changing nothing.
-    The per-token paths (``allocate`` within the last page, ``commit`` that fills no page) touch
-    only their own sequence and are not checked.
+    The per-token paths (``allocate`` within the last page, ``commit`` that fills no page or
+    fills one while the sequence's earlier decoded pages still wait, see below) touch only their
+    own sequence and are not checked.
+
+    Decoded pages are cached in batches: a page that a one-token commit fills at the end of the
+    sequence's own leaf run waits, with the pages the sequence fills after it, until something
+    could see it (a match or admission that reaches the run, the sequence's close, counts,
+    events, eviction), which caches them first. Every call therefore sees what caching each page
+    at its commit gives, at one hash pass and one tree update per sequence instead of per page.
     """
 
     def __init__(
