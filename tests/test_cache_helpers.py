@@ -15,7 +15,9 @@ from prefix_cache.cache.tree_nodes import Node
 
 
 def snapshot(cache: PrefixCache) -> tuple:
-    """Everything the cache's behaviour depends on, as comparable plain data."""
+    """Everything the cache's behaviour depends on, as comparable plain data (after the pages the
+    decode path deferred are cached, as any call that reads the tree does first)."""
+    assert cache.num_cached_pages >= 0  # caches the deferred pages
     tree = cache._tree
     nodes = sorted(
         (
@@ -29,6 +31,7 @@ def snapshot(cache: PrefixCache) -> tuple:
             n.tick,
             n.lru_serial,
             child_keys(n),
+            sorted((seq._id, start) for seq, start in (n.copies or {}).items()),
         )
         for n in tree.nodes()
     )

@@ -5,6 +5,7 @@ the work is per run."""
 
 from __future__ import annotations
 
+import pytest
 from test_cache_helpers import chain_keys, held_nodes, run_prompt
 
 from prefix_cache.cache.events import BlockRemoved, BlockStored
@@ -12,7 +13,8 @@ from prefix_cache.cache.prefix_cache import PrefixCache
 
 
 def runs(cache: PrefixCache) -> list[list[int]]:
-    """The page ids of every node's run, sorted."""
+    """The page ids of every node's run, sorted (once the deferred decode pages are cached)."""
+    assert cache.num_cached_pages >= 0  # caches the deferred pages
     return sorted(node.pages.tolist() for node in cache._tree.nodes())
 
 
@@ -46,6 +48,33 @@ def test_a_prompt_is_one_run_and_splits_where_another_diverges() -> None:
     assert cache.num_evictable_pages == 12
 
 
+@pytest.mark.parametrize("page_size", [1, 3])
+@pytest.mark.parametrize("batch", [False, True])
+def test_decoded_pages_are_matched_as_soon_as_committed(page_size: int, batch: bool) -> None:
+    """The decode path defers full pages to a batch: every call that can see them sees them."""
+    cache = PrefixCache(num_pages=256, page_size=page_size)
+    prompt = [5, 6, 7, 8]
+    seq, other = cache.admit(prompt), cache.admit([1])
+    cache.commit(seq, prompt)
+    stream = list(prompt)
+    for token in range(100, 130):
+        if batch:
+            cache.allocate_batch([seq, other], 1)
+            cache.commit_batch([seq, other], [token, 1])
+        else:
+            cache.allocate(seq, 1)
+            cache.commit(seq, [token])
+        stream.append(token)
+        full = len(stream) // page_size * page_size
+        assert cache.match([*stream, 0]) == full
+        assert cache.num_cached_pages == full // page_size + len(other.tokens) // page_size
+    twin = cache.open([*stream, 0])
+    assert twin.num_cached_tokens == full
+    assert twin.block_table.tolist() == seq.block_table.tolist()[: full // page_size]
+    cache.close(seq)
+    cache.check_invariants()
+
+
 def test_decode_extends_the_own_leaf_run_in_place() -> None:
     cache = PrefixCache(num_pages=256, page_size=1)
     prompt = [5, 6, 7, 8]
@@ -61,9 +90,8 @@ def test_decode_extends_the_own_leaf_run_in_place() -> None:
     keys = chain_keys([*prompt, *decoded], 1)
     events = cache.drain_events()
     assert events[0] == BlockStored(keys[:4], None, prompt, 1, None)
-    assert events[1:] == [
-        BlockStored([keys[4 + i]], keys[3 + i], [t], 1, None) for i, t in enumerate(decoded)
-    ]
+    # The decoded pages were cached in one batch, announced by one event.
+    assert events[1:] == [BlockStored(keys[4:], keys[3], decoded, 1, None)]
     # A second sequence holds the run's head: its pages go into a run of its own, while the first
     # sequence, alone on the tail, still grows it.
     other = cache.open([*prompt, 0])
@@ -187,4 +215,22 @@ def test_new_pages_after_twins_that_end_inside_a_run() -> None:
     assert cache.match([*forked, 0]) == 6
     cache.close(a)
     cache.close(c)
+    cache.check_invariants()
+
+
+def test_a_commit_that_reaches_waiting_pages_finds_them_cached_first() -> None:
+    """Another sequence commits the blocks a decoding sequence has waiting: as when each page is
+    cached at its commit, the decoding sequence's pages are the cached ones, the other's copies."""
+    cache = PrefixCache(num_pages=64, page_size=1)
+    first = cache.admit([1, 2, 3, 4])
+    cache.commit(first, [1, 2, 3, 4])
+    second = cache.open([1, 2, 9])  # holds [1, 2]: the run splits, [3, 4] is the first's alone
+    for token in (5, 6):  # wait at the end of the first's run
+        cache.allocate(first, 1)
+        cache.commit(first, [token])
+    cache.allocate(second, 4)
+    cache.commit(second, [3, 4, 5, 6])
+    assert cache.stats.duplicate_pages == 4
+    third = cache.open([1, 2, 3, 4, 5, 6, 0])
+    assert third.block_table.tolist() == first.block_table.tolist()[:6]
     cache.check_invariants()

@@ -236,6 +236,11 @@ class BlockTree:
             node.extras = extras[count:] if any(extras[count:]) else None
         # The head is acquired next (its tick is stamped when released).
         head.ref = node.ref
+        copies = node.copies
+        if copies is not None:
+            # The same holders keep their own copies of both parts.
+            head.copies = dict(copies)
+            node.copies = {seq: start + count for seq, start in copies.items()}
         head.child = node
         parent = node.parent
         if parent.child is node:
@@ -257,17 +262,27 @@ class BlockTree:
         node.lru_serial = -1
         self.num_lru -= 1
 
-    def release(self, node: Node, root: Root) -> None:
+    def release(self, node: Node, root: Root) -> list[Node] | None:
         """Drop one reference on ``node`` and every node above it up to ``root`` (a sequence's
-        path), stamping them as used now."""
+        path), stamping them as used now. Returns the nodes left held only by sequences with
+        their own copies (see ``Node.copies``; the releasing sequence must be in none of them),
+        or None when there are none."""
         self.tick += 1
         tick = self.tick
         freed = 0
+        orphans = None
         while node is not root:
             node.tick = tick
             ref = node.ref - 1
             node.ref = ref
-            if not ref:
+            if ref:
+                copies = node.copies
+                if copies is not None and ref == len(copies):
+                    if orphans is None:
+                        orphans = [node]
+                    else:
+                        orphans.append(node)
+            else:
                 freed += len(node.pages)
                 if node.child is None and node.children is None:
                     # The newest tick: its place is the young end of ``recent``.
@@ -281,6 +296,7 @@ class BlockTree:
             # Stale entries (of parents acquired again) outnumber live ones: drop them.
             self.older = [entry for entry in older if entry[2].lru_serial == entry[1]]
             heapq.heapify(self.older)
+        return orphans
 
     # ------------------------------------------------------------------ caching pages
 
@@ -501,27 +517,6 @@ class BlockTree:
         if removed:
             self.version += 1
         return evicted
-
-    def evict_from_run(self) -> tuple[Root, int, int] | None:
-        """``evict(1)`` in the decode loop's case with a full pool: the victim, the oldest
-        candidate in ``recent``, has more pages than one (and no extra keys), so its last page
-        goes and the run keeps its place. Returns ``(root, page, key)``, or None, changing
-        nothing, in any other case (``evict`` then)."""
-        recent = self.recent
-        if not recent:
-            return None
-        node = next(iter(recent))
-        older = self.older
-        if (older and older[0][0] < node.tick) or len(node.pages) < 2 or node.extras is not None:
-            return None
-        key = node.keys.pop()
-        root = node.root
-        root.index.discard(key)
-        del node.tokens[-self.page_bytes :]
-        self.num_pages -= 1
-        self.num_unreferenced -= 1
-        self.version += 1
-        return root, node.pages.pop(), key
 
     def _push_older(self, parent: Node) -> None:
         """``parent``, unreferenced, became a leaf by eviction: it waits in the heap with its own

@@ -23,6 +23,8 @@ class InvariantChecker:
         self.owner: dict[int, str] = {}
         # The nodes reachable from the roots.
         self.reachable: set[Node] = set()
+        # Per node id, the live sequences that hold it through their own copies, and where.
+        self.copies: dict[int, dict[object, int]] = {}
 
     def fail(self, message: str) -> None:
         raise InvariantError(message)
@@ -45,12 +47,24 @@ class InvariantChecker:
             holders = expected_ref.get(id(node), 0)
             if node.ref != holders:
                 self.fail(f"{self.name(node)}: ref {node.ref}, but {holders} live sequences hold it")
+            copies = self.copies.get(id(node), {})
+            if (node.copies or {}) != copies or (node.copies is not None and not node.copies):
+                self.fail(f"{self.name(node)}: its list of holders with their own copies is wrong")
+            if node.ref and len(copies) == node.ref:
+                self.fail(f"{self.name(node)}: held, but in no live block table")
         for root in tree.roots.values():
             holders = sum(1 for seq in cache._live if seq._root is root)
             if root.ref != holders:
                 self.fail(f"root of {root.namespace!r}: ref {root.ref}, but {holders} live sequences")
         if len(self.owner) != cache._num_pages:
             self.fail(f"{cache._num_pages - len(self.owner)} pages are neither free, held nor cached")
+        # What the engine can see: every page is free, evictable, or in a live block table.
+        tables = {page for seq in cache._live for page in seq._pages[: seq._num_pages].tolist()}
+        if len(cache._pool.free) + tree.num_unreferenced + len(tables) != cache._num_pages:
+            self.fail(
+                f"free {len(cache._pool.free)} + evictable {tree.num_unreferenced} + in live block "
+                f"tables {len(tables)} != {cache._num_pages} pages"
+            )
         self.check_lru(nodes)
 
     def check_tree(self) -> list[Node]:
@@ -171,8 +185,14 @@ class InvariantChecker:
             for node in path:
                 if node not in self.reachable:
                     self.fail(f"{name}: holds a node that is not in the tree")
+                start = index
+                copy = seq._pages[index : index + len(node.pages)].tolist() != node.pages.tolist()
+                if copy:
+                    self.copies.setdefault(id(node), {})[seq] = start
                 for i, cached in enumerate(node.pages):
                     page = int(seq._pages[index])
+                    if copy == (page == cached):
+                        self.fail(f"{name}: block table entry {index} mixes cached pages and copies in a run")
                     if page != cached:
                         # Its own copy of a block another sequence cached first: private to it.
                         if page not in dups:

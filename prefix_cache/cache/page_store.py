@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from array import array
 
+import numpy as np
+
 from prefix_cache.cache.block_tree import BlockTree, check_key
 from prefix_cache.cache.errors import OutOfPages
 from prefix_cache.cache.event_log import EventLog
 from prefix_cache.cache.page_pool import PagePool
 from prefix_cache.cache.sequence import Sequence
-from prefix_cache.cache.tree_nodes import NO_WALK, Root
+from prefix_cache.cache.tree_nodes import NO_WALK, Node, Root, Walk
 
 
 class PageStore:
@@ -32,6 +34,7 @@ class PageStore:
         "events",
         "evicted_pages",
         "page_size",
+        "pending",
         "pool",
         "stored_pages",
         "tree",
@@ -48,23 +51,16 @@ class PageStore:
         self.duplicate_pages = 0
         self.collision_pages = 0
         self.evicted_pages = 0
+        #: Sequences whose newly full pages wait to be cached (see ``defer_page``), by the leaf
+        #: run their pages extend, in the order of their first such page.
+        self.pending: dict[Node, Sequence] = {}
 
     def allocate(self, seq: Sequence, end: int) -> None:
         """New pages so ``seq`` can hold ``end`` tokens (``PrefixCache.allocate`` past the last
-        page), evicting when the pool is short; all or nothing: ``OutOfPages`` changes nothing."""
+        page), evicting what the pool lacks; all or nothing: ``OutOfPages`` changes nothing."""
         page_size = self.page_size
         free = self.pool.free
         count = seq._num_pages
-        if end <= seq._capacity + page_size and count < len(seq._pages):
-            # One more page and room for it, the decode loop's case, written out: from the pool,
-            # else from the end of the oldest run. Anything else takes the general path below.
-            page = free.pop() if free else self._evict_from_run()
-            if page is not None:
-                seq._pages_int[count] = page
-                seq._num_pages = count + 1
-                seq._capacity += page_size
-                seq._num_allocated = end
-                return
         num_pages = -(-end // page_size)
         needed = num_pages - count
         short = needed - len(free)
@@ -78,18 +74,57 @@ class PageStore:
         seq._add_pages(self.pool.take(needed), page_size)
         seq._num_allocated = end
 
-    def _evict_from_run(self) -> int | None:
-        """The page of ``tree.evict_from_run``, evicted with its event, or None (nothing changed)
-        when the oldest candidate is not a run of several pages: ``evict`` then."""
-        one = self.tree.evict_from_run()
-        if one is None:
-            return None
-        root, page, key = one
-        self.evicted_pages += 1
-        events = self.events
-        if events is not None:
-            events.emit(([key], root.namespace))
-        return page
+    def defer_page(self, seq: Sequence, end: int, token: int) -> None:
+        """``token``, at ``end - 1``, filled a page of ``seq`` (the decode path, ``seq`` not
+        waiting). In the decode loop's case (the page goes at the end of the sequence's own leaf
+        run, keys from the default hash) the page waits in ``pending``, with every page the
+        sequence fills after it, to be cached in one batch (one hash pass, one extension of the
+        run and one event) when something could see it: a walk that ends in that run
+        (``flush_walk_end``: a match, an admission, another sequence's commit), the sequence's
+        own ``close`` or commit of several tokens, and ``flush`` before counts, events and
+        eviction. Anything else is cached now.
+
+        So every match, event and count sees what caching each page at once gives; a waiting run
+        is a leaf only its sequence holds, which nothing else changes. (A waiting page's key is
+        claimed when it is cached, which differs from claiming it at once only where two 64-bit
+        keys of different blocks collide.)"""
+        leaf = seq._node
+        if (
+            leaf.ref == 1
+            and leaf.child is None
+            and leaf.children is None
+            and leaf is not seq._root
+            and not seq._broken
+            and not seq._extras
+            and not self.tree.check_keys
+        ):
+            seq._dirty = True
+            self.pending[leaf] = seq
+            return
+        self.store_page(seq, end, token)
+
+    def flush(self) -> None:
+        """Cache the waiting pages of every sequence in ``pending``, in the order they waited."""
+        pending = self.pending
+        self.pending = {}
+        for seq in pending.values():
+            seq._dirty = False
+            self.store_full_pages(seq, seq._num_tokens)
+
+    def flush_seq(self, seq: Sequence) -> None:
+        """Cache the waiting pages of ``seq`` (which waits)."""
+        del self.pending[seq._node]
+        seq._dirty = False
+        self.store_full_pages(seq, seq._num_tokens)
+
+    def flush_walk_end(self, walk: Walk) -> bool:
+        """When ``walk`` ends in the run of a waiting sequence, cache that sequence's waiting pages
+        (the walk must then be taken again) and return True; else False, nothing changed."""
+        seq = self.pending.get(walk.nodes[-1]) if walk.nodes else None
+        if seq is None:
+            return False
+        self.flush_seq(seq)
+        return True
 
     def store_page(self, seq: Sequence, end: int, token: int) -> None:
         """``store_full_pages`` for the one page that ``token``, at ``end - 1``, filled (the
@@ -161,6 +196,8 @@ class PageStore:
             walk = NO_WALK
         else:
             walk = tree.walk(parent, data, count, extras)
+            if self.pending and self.flush_walk_end(walk):
+                walk = tree.walk(parent, data, count, extras)
         twins = walk.pages
         after = walk.last(parent)
         # The key of the last twin (which may end inside its run), or of the sequence's last page.
@@ -172,9 +209,7 @@ class PageStore:
         # From here on nothing can fail.
         seq._num_full_pages = full
         if twins:
-            # The block table keeps the sequence's own copies, private until close.
-            seq._node = after = tree.hold(walk, None)
-            seq._dups = [*seq._dups, *seq._pages[first : first + twins].tolist()]
+            seq._node = after = self._hold_twins(seq, walk, first)
             seq._num_held = first + twins
             self.duplicate_pages += twins
         if twins == count:
@@ -213,6 +248,65 @@ class PageStore:
             seq._broken = True
             self.collision_pages += count - twins - stored
 
+    def _hold_twins(self, seq: Sequence, walk: Walk, first: int) -> Node:
+        """Hold the runs of ``walk`` (below ``seq._node``), the cached twins of the pages of
+        ``seq`` from page ``first`` on; returns the deepest. The block table keeps the sequence's
+        own copies (it is append-only): private until close, the sequence listed in each run's
+        ``copies``. A run that nobody held (evictable) takes the sequence's copy instead, so that
+        its pages are in a live block table, and its own pages go back to the pool."""
+        parent = seq._node
+        last = self.tree.hold(walk, None)
+        nodes = []
+        node = last
+        while node is not parent:
+            nodes.append(node)
+            node = node.parent
+        start = first
+        dups = list(seq._dups)
+        for node in reversed(nodes):
+            size = len(node.pages)
+            if node.ref == 1:
+                self.pool.free += node.pages
+                node.pages = int_pages(seq._pages[start : start + size])
+            else:
+                if node.copies is None:
+                    node.copies = {}
+                node.copies[seq] = start
+                dups += seq._pages[start : start + size].tolist()
+            start += size
+        seq._dups = dups
+        return last
+
+    def forget_copies(self, seq: Sequence) -> None:
+        """``seq``, about to release its path, no longer holds its own copies of those runs."""
+        node = seq._node
+        root = seq._root
+        while node is not root:
+            copies = node.copies
+            if copies is not None and seq in copies:
+                if len(copies) == 1:
+                    node.copies = None
+                else:
+                    del copies[seq]
+            node = node.parent
+
+    def adopt(self, nodes: list[Node]) -> None:
+        """Each of ``nodes`` (from ``BlockTree.release``) is held only by sequences with their own
+        copies of its run: one of them becomes the run's pages (no longer private to it) and the
+        run's pages, in no live block table now, go back to the pool."""
+        for node in nodes:
+            copies = node.copies
+            seq, start = next(iter(copies.items()))
+            if len(copies) == 1:
+                node.copies = None
+            else:
+                del copies[seq]
+            pages = int_pages(seq._pages[start : start + len(node.pages)])
+            self.pool.free += node.pages
+            node.pages = pages
+            adopted = set(pages)
+            seq._dups = [page for page in seq._dups if page not in adopted]
+
     def evict(self, num_pages: int) -> int:
         """Evict up to ``num_pages`` pages in LRU order, with ``BlockRemoved`` events (one per run
         of pages of one namespace); returns the number evicted."""
@@ -241,3 +335,10 @@ class PageStore:
             count += len(pages)
         self.evicted_pages += count
         return evicted, count
+
+
+def int_pages(table: np.ndarray) -> array:
+    """A slice of an int32 block table as the tree's ``array('i')`` of page ids."""
+    pages = array("i")
+    pages.frombytes(table.tobytes())
+    return pages

@@ -78,8 +78,15 @@ class PrefixCache:
     Threading: one ``PrefixCache`` belongs to one scheduler thread; calls must not overlap. Every
     call that touches shared state (the tree, the free pages, events) takes a non-blocking lock
     and raises ``ConcurrentUseError`` if another thread is inside the cache, changing nothing.
-    The per-token paths (``allocate`` within the last page, ``commit`` that fills no page) touch
-    only their own sequence and are not checked.
+    The per-token paths (``allocate`` within the last page, ``commit`` that fills no page or
+    fills one while the sequence's earlier decoded pages still wait, see below) touch only their
+    own sequence and are not checked.
+
+    Decoded pages are cached in batches: a page that a one-token commit fills at the end of the
+    sequence's own leaf run waits, with the pages the sequence fills after it, until something
+    could see it (a match or admission that reaches the run, the sequence's close, counts,
+    events, eviction), which caches them first. Every call therefore sees what caching each page
+    at its commit gives, at one hash pass and one tree update per sequence instead of per page.
     """
 
     def __init__(
@@ -97,6 +104,7 @@ class PrefixCache:
         if hash_fn is not None:
             check_hash_fn(hash_fn, self._page_size)
         self._events = EventLog(max_events) if record_events else None
+        self._live: set[Sequence] = set()
         self._store = PageStore(
             PagePool(self._num_pages),
             BlockTree(default_hash_fn if hash_fn is None else hash_fn, self._page_size),
@@ -105,7 +113,6 @@ class PrefixCache:
         # The store's pool and tree, read by the calls that only check or release.
         self._pool = self._store.pool
         self._tree = self._store.tree
-        self._live: set[Sequence] = set()
         self._block_tables = BlockTableWriter()
         # Held (never waited on) by every call that touches shared state, see the class docstring.
         self._lock = threading.Lock()
@@ -142,6 +149,8 @@ class PrefixCache:
     @property
     def num_cached_pages(self) -> int:
         """Pages in the block tree (matchable), held or not."""
+        if self._store.pending:
+            self._locked_flush()
         return self._tree.num_pages
 
     @property
@@ -152,6 +161,8 @@ class PrefixCache:
     def stats(self) -> CacheStats:
         """A snapshot of the counters and the occupancy now."""
         store = self._store
+        if store.pending:
+            self._locked_flush()
         return CacheStats(
             query_tokens=self._query_tokens,
             hit_tokens=self._hit_tokens,
@@ -232,12 +243,12 @@ class PrefixCache:
         check_namespace(namespace)
         extra_tokens = check_int("extra_tokens", extra_tokens, 0)
         extras = page_extras(extra_keys, len(arr), self._page_size)
-        seq = self._new_sequence(arr, namespace, extra_tokens)
         if not self._lock.acquire(False):
             self._concurrent()
         try:
             walk = self._prefix_walk(arr, namespace, extras)
-            needed = -(-(len(arr) + extra_tokens) // self._page_size) - walk.pages
+            end = len(arr) + extra_tokens
+            needed = -(-end // self._page_size) - walk.pages
             # Pages of the matched runs nobody holds: admitting locks them.
             locked = 0
             nodes = walk.nodes
@@ -248,16 +259,22 @@ class PrefixCache:
             available = len(self._pool.free) + self._tree.num_unreferenced - locked
             if needed > available:
                 raise OutOfPages(needed, available)
+            # Sized once the pool is known to supply the pages (``extra_tokens`` may be huge), and
+            # before the first change, so a MemoryError changes nothing.
+            seq = self._new_sequence(arr, namespace, extra_tokens)
             self._open(seq, arr, namespace, extras, walk)
-            self._store.allocate(seq, len(arr) + extra_tokens)
+            if end > seq._capacity:
+                self._store.allocate(seq, end)
             return seq
         finally:
             self._lock.release()
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         """Reserve slots for the next ``num_tokens`` tokens of ``seq`` after those already reserved,
-        taking pages from the free pool and evicting cached pages when it is empty. New pages are
-        appended to ``seq.block_table``; its earlier entries never change.
+        taking pages from the free pool and evicting cached pages when it is empty (least recently
+        used first; for one more page, a decode step's worth at once: a page per ``page_size``
+        open sequences, so the next sequences' pages are free). New pages are appended to
+        ``seq.block_table``; its earlier entries never change.
 
         All or nothing: raises ``OutOfPages`` (and changes nothing) when even evicting every
         evictable page would not supply enough pages.
@@ -283,6 +300,20 @@ class PrefixCache:
         if not self._lock.acquire(False):
             self._concurrent()
         try:
+            page_size = self._page_size
+            if end <= seq._capacity + page_size:
+                # One more page, the decode loop's case, written out. From an empty pool, evict
+                # the decode step's pages in one batch first.
+                free = self._pool.free
+                if not free and self._tree.num_unreferenced:
+                    self._store.evict(-(-len(self._live) // page_size))
+                count = seq._num_pages
+                if free and count < len(seq._pages):
+                    seq._pages_int[count] = free.pop()
+                    seq._num_pages = count + 1
+                    seq._capacity += page_size
+                    seq._num_allocated = end
+                    return
             self._store.allocate(seq, end)
         finally:
             self._lock.release()
@@ -319,12 +350,12 @@ class PrefixCache:
             if token >= 0:
                 seq._tokens_int[n] = token
                 n += 1
-                if n % self._page_size == 0:
+                if n % self._page_size == 0 and not seq._dirty:
                     lock = self._lock
                     if not lock.acquire(False):
                         self._concurrent()
                     try:
-                        self._store.store_page(seq, n, token)
+                        self._store.defer_page(seq, n, token)
                     finally:
                         lock.release()
                 seq._num_tokens = n
@@ -391,19 +422,29 @@ class PrefixCache:
         if not self._lock.acquire(False):
             self._concurrent()
         try:
-            available = len(self._pool.free) + self._tree.num_unreferenced
+            free = len(self._pool.free)
+            available = free + self._tree.num_unreferenced
             if needed > available:
                 raise OutOfPages(needed, available)
             for seq in short:
                 pages = -(-(seq._num_allocated + num_tokens) // page_size)
                 if pages > len(seq._pages):
-                    seq._grow(pages, page_size)  # before any page is taken
-            for seq in seqs:
-                end = seq._num_allocated + num_tokens
-                if end <= seq._capacity:
-                    seq._num_allocated = end
+                    seq._grow(pages, page_size)  # before anything changes
+            if needed > free:
+                # The step's pages, evicted in one batch.
+                self._store.evict(needed - free)
+            pool = self._pool
+            for seq in short:
+                count = seq._num_pages
+                more = -(-(seq._num_allocated + num_tokens) // page_size) - count
+                if more == 1:
+                    seq._pages_int[count] = pool.free.pop()
+                    seq._num_pages = count + 1
+                    seq._capacity += page_size
                 else:
-                    self._store.allocate(seq, end)
+                    seq._add_pages(pool.take(more), page_size)
+            for seq in seqs:
+                seq._num_allocated += num_tokens
         finally:
             self._lock.release()
 
@@ -428,8 +469,8 @@ class PrefixCache:
                 n = seq._num_tokens
                 seq._tokens_int[n] = token
                 n += 1
-                if n % page_size == 0:
-                    self._store.store_page(seq, n, token)
+                if n % page_size == 0 and not seq._dirty:
+                    self._store.defer_page(seq, n, token)
                 seq._num_tokens = n
         finally:
             lock.release()
@@ -469,10 +510,16 @@ class PrefixCache:
         if not self._lock.acquire(False):
             self._concurrent()
         try:
+            if seq._dirty:
+                self._store.flush_seq(seq)
             tree = self._tree
             root = seq._root
             if seq._node is not root:
-                tree.release(seq._node, root)
+                if seq._dups:
+                    self._store.forget_copies(seq)
+                orphans = tree.release(seq._node, root)
+                if orphans is not None:
+                    self._store.adopt(orphans)
             pool = self._pool
             pool.put_table(seq._pages[seq._num_held : seq._num_pages])
             if seq._dups:
@@ -496,6 +543,8 @@ class PrefixCache:
         if not self._lock.acquire(False):
             self._concurrent()
         try:
+            if self._store.pending:
+                self._store.flush()
             return self._store.evict(num_pages)
         finally:
             self._lock.release()
@@ -532,6 +581,8 @@ class PrefixCache:
         if not self._lock.acquire(False):
             self._concurrent()
         try:
+            if self._store.pending:
+                self._store.flush()
             return [] if self._events is None else self._events.drain(self._tree)
         finally:
             self._lock.release()
@@ -593,16 +644,25 @@ class PrefixCache:
         if root.is_leaf or len(arr) <= page_size:
             return NO_WALK
         tree = self._tree
+        store = self._store
         num_pages = (len(arr) - 1) // page_size
         data = arr.tobytes()
         if extras:
-            return tree.walk(root, data, num_pages, [extras.get(i, b"") for i in range(num_pages)])
+            page_extras = [extras.get(i, b"") for i in range(num_pages)]
+            walk = tree.walk(root, data, num_pages, page_extras)
+            if store.pending and store.flush_walk_end(walk):
+                walk = tree.walk(root, data, num_pages, page_extras)
+            return walk
         # Engines call match and then open with the same prompt: reuse the walk while the tree
         # is unchanged (one memcmp of the prompt instead of a walk).
         last = self._last_match
         if last is not None and last[0] is root and last[1] == tree.version and last[2] == data:
-            return last[3]
-        walk = tree.walk(root, data, num_pages, None)
+            walk = last[3]
+        else:
+            walk = tree.walk(root, data, num_pages, None)
+        # A run whose sequence's decoded pages wait (see PageStore.defer_page) may continue.
+        if store.pending and store.flush_walk_end(walk):
+            walk = tree.walk(root, data, num_pages, None)
         self._last_match = (root, tree.version, data, walk)
         return walk
 
@@ -611,6 +671,8 @@ class PrefixCache:
         if not self._lock.acquire(False):
             self._concurrent()
         try:
+            if seq._dirty:
+                self._store.flush_seq(seq)
             self._store.store_full_pages(seq, end)
         finally:
             self._lock.release()
@@ -625,4 +687,15 @@ class PrefixCache:
         live sequences through it); that the LRU candidates are exactly the unreferenced leaves;
         and that each live sequence's counters, tokens and block table agree. O(pool + tokens).
         """
+        if self._store.pending:
+            self._locked_flush()
         InvariantChecker(self).run()
+
+    def _locked_flush(self) -> None:
+        """``PageStore.flush`` under the lock: the deferred pages of the decode path are cached."""
+        if not self._lock.acquire(False):
+            self._concurrent()
+        try:
+            self._store.flush()
+        finally:
+            self._lock.release()

@@ -31,6 +31,7 @@ class Sequence:
         "_broken",
         "_cache",
         "_capacity",
+        "_dirty",
         "_dups",
         "_extras",
         "_id",
@@ -99,6 +100,8 @@ class Sequence:
         self._num_full_pages = 0
         # Set after a hash collision: no later page can be cached under a page that is not.
         self._broken = False
+        # Full pages committed wait in the cache's ``PageStore.pending`` (not yet offered).
+        self._dirty = False
         # Extra identity bytes of prompt pages, by page index (None without extra keys).
         self._extras: dict[int, bytes] | None = None
         # Rollbacks that removed pages: block table entries written out before one are stale.

@@ -5,8 +5,12 @@ where a prompt's cached prefix ends."""
 from __future__ import annotations
 
 from array import array
+from typing import TYPE_CHECKING
 
 from prefix_cache.cache.hashing import Namespace, namespace_seed
+
+if TYPE_CHECKING:
+    from prefix_cache.cache.sequence import Sequence
 
 
 class Node:
@@ -26,11 +30,18 @@ class Node:
     tick: when the node was last released, for LRU order.
     lru_serial: where it waits as an eviction candidate: 0 in ``BlockTree.recent``, > 0 the serial
         of its entry in ``BlockTree.older``, -1 not a candidate.
+    copies: the holders whose block tables have their own copies of the run (they computed it
+        while another sequence cached it first), each with the index of the run's first page in
+        its block table; None when there are none. Every other holder's block table has the
+        run's pages, and a node with holders always has one such holder (``PageStore`` hands the
+        run to a copy when the last one goes), so a cached page is in a live block table or
+        evictable.
     """
 
     __slots__ = (
         "child",
         "children",
+        "copies",
         "extras",
         "keys",
         "lru_serial",
@@ -63,6 +74,7 @@ class Node:
         self.ref = 1
         self.tick = 0
         self.lru_serial = -1
+        self.copies: dict[Sequence, int] | None = None
 
     @property
     def is_leaf(self) -> bool:
