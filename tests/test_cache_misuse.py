@@ -297,9 +297,29 @@ def test_event_backlog_is_capped_and_resynchronises() -> None:
 
 
 def test_max_events_is_checked() -> None:
-    for bad, error in ((0, ValueError), (1.5, TypeError), (True, TypeError)):
-        with pytest.raises(error, match="max_events"):
-            PrefixCache(num_pages=4, max_events=bad)
+    for name in ("max_events", "max_event_bytes"):
+        for bad, error in ((0, ValueError), (1.5, TypeError), (True, TypeError)):
+            with pytest.raises(error, match=name):
+                PrefixCache(num_pages=4, **{name: bad})
+
+
+def test_event_backlog_is_capped_in_bytes_too() -> None:
+    # One long prefill is one event holding its whole prompt: the byte cap bounds memory where a
+    # count of events would not, and the drain after the overflow describes the cache exactly.
+    page_size, pages = 16, 64
+    event_bytes = pages * page_size * 4 + pages * 8  # the prompt's token ids and block hashes
+    prompt = np.arange(pages * page_size + 1, dtype=np.int32)
+    for cap, overflows in ((event_bytes, False), (event_bytes - 1, True)):
+        cache = PrefixCache(num_pages=256, page_size=page_size, max_event_bytes=cap)
+        run_prompt(cache, prompt.tolist())
+        assert cache._events.num_bytes <= cap
+        events = cache.drain_events()
+        assert isinstance(events[0], AllBlocksCleared) == overflows
+        stored = [event for event in events if isinstance(event, BlockStored)]
+        assert sum(len(event.block_hashes) for event in stored) == pages
+        assert [t for event in stored for t in event.token_ids] == prompt[:-1].tolist()
+        run_prompt(cache, prompt.tolist())  # all cached: nothing new to say, and nothing kept
+        assert cache.drain_events() == [] and cache._events.num_bytes == 0
 
 
 def test_block_removed_names_its_namespace() -> None:

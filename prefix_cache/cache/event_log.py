@@ -1,4 +1,4 @@
-"""The backlog of cache events waiting for ``PrefixCache.drain_events``, capped at ``max_events``."""
+"""The backlog of cache events waiting for ``PrefixCache.drain_events``, capped in events and bytes."""
 
 from __future__ import annotations
 
@@ -20,41 +20,53 @@ Pending = KVCacheEvent | PendingStored | PendingRemoved
 
 
 class EventLog:
-    """Events kept for ``drain_events``, oldest first, at most ``max_events`` of them.
+    """Events kept for ``drain_events``, oldest first: at most ``max_events`` of them, holding at
+    most ``max_bytes`` of token ids and block hashes (4 bytes a token, 8 a hash: one event of a long
+    prefill holds its whole prompt, so a count alone would not bound memory).
 
-    When one more would exceed the cap, the backlog is dropped and nothing is kept until the next
-    drain, which describes the cached blocks instead (``AllBlocksCleared``, then ``BlockStored``
-    for every block cached at that moment), so a consumer that applies events in order ends up
-    right.
+    When one more would exceed either cap, the backlog is dropped and nothing is kept until the
+    next drain, which describes the cached blocks instead (``AllBlocksCleared``, then
+    ``BlockStored`` for every block cached at that moment), so a consumer that applies events in
+    order ends up right.
     """
 
-    __slots__ = ("max_events", "overflowed", "pending")
+    __slots__ = ("max_bytes", "max_events", "num_bytes", "overflowed", "pending")
 
-    def __init__(self, max_events: int) -> None:
+    def __init__(self, max_events: int, max_bytes: int) -> None:
         self.max_events = max_events
+        self.max_bytes = max_bytes
         self.pending: list[Pending] = []
-        #: Set when the backlog overflowed ``max_events``: the next drain resynchronises.
+        self.num_bytes = 0  # token and hash bytes held by ``pending``
+        #: Set when the backlog overflowed a cap: the next drain resynchronises.
         self.overflowed = False
 
     def emit(self, event: Pending) -> None:
-        """Keep ``event``, or note the overflow of ``max_events``."""
+        """Keep ``event``, or note the overflow of a cap."""
+        if self.overflowed:
+            return
+        size = 0
+        if type(event) is tuple:
+            size = 8 * len(event[0]) + (len(event[2]) if len(event) > 2 else 0)
         pending = self.pending
-        if len(pending) < self.max_events:
-            if not self.overflowed:
-                pending.append(event)
+        if len(pending) < self.max_events and self.num_bytes + size <= self.max_bytes:
+            pending.append(event)
+            self.num_bytes += size
             return
         # Drop the backlog: the next drain describes the cached blocks instead.
         pending.clear()
+        self.num_bytes = 0
         self.overflowed = True
 
     def clear(self) -> None:
         """Drop everything kept and keep ``AllBlocksCleared`` (the cache was reset)."""
         self.pending = [AllBlocksCleared()]
+        self.num_bytes = 0
         self.overflowed = False
 
     def drain(self, tree: BlockTree) -> list[KVCacheEvent]:
         """The events kept since the last drain, oldest first, and forget them. After an overflow:
         ``AllBlocksCleared``, then ``BlockStored`` for every block in ``tree`` now."""
+        self.num_bytes = 0
         if self.overflowed:
             self.overflowed = False
             self.pending = []

@@ -43,6 +43,8 @@ MAX_NUM_PAGES = 2**31 - 1
 _DECODE_HEADROOM_PAGES = 8
 #: Events kept waiting for ``drain_events`` by default (see ``max_events``).
 DEFAULT_MAX_EVENTS = 100_000
+#: Bytes of token ids and block hashes those events may hold by default (see ``max_event_bytes``).
+DEFAULT_MAX_EVENT_BYTES = 64 << 20
 _INT32 = np.dtype(np.int32)
 _ONE = (1,)
 
@@ -74,6 +76,8 @@ class PrefixCache:
             exceed it, the backlog is dropped and no more are kept until the next drain, which
             returns ``AllBlocksCleared`` and then ``BlockStored`` for every block cached at that
             moment (a consumer that applies events in order ends up right).
+        max_event_bytes: the same for the bytes those events hold (4 per token id, 8 per block
+            hash), ``>= 1``: one event of a long prefill carries its whole prompt.
 
     Threading: one ``PrefixCache`` belongs to one scheduler thread; calls must not overlap. Every
     call that touches shared state (the tree, the free pages, events) takes a non-blocking lock
@@ -97,13 +101,15 @@ class PrefixCache:
         hash_fn: HashFn | None = None,
         record_events: bool = True,
         max_events: int = DEFAULT_MAX_EVENTS,
+        max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
     ) -> None:
         self._num_pages = check_int("num_pages", num_pages, 1, MAX_NUM_PAGES)
         self._page_size = check_int("page_size", page_size, 1, MAX_PAGE_SIZE)
         max_events = check_int("max_events", max_events, 1)
+        max_event_bytes = check_int("max_event_bytes", max_event_bytes, 1)
         if hash_fn is not None:
             check_hash_fn(hash_fn, self._page_size)
-        self._events = EventLog(max_events) if record_events else None
+        self._events = EventLog(max_events, max_event_bytes) if record_events else None
         self._live: set[Sequence] = set()
         self._store = PageStore(
             PagePool(self._num_pages),
@@ -575,9 +581,9 @@ class PrefixCache:
             self._lock.release()
 
     def drain_events(self) -> list[KVCacheEvent]:
-        """The events since the last call, oldest first. After an overflow of ``max_events``:
-        ``AllBlocksCleared``, then ``BlockStored`` for every block cached now (parents first),
-        then nothing else."""
+        """The events since the last call, oldest first. After an overflow of ``max_events`` or
+        ``max_event_bytes``: ``AllBlocksCleared``, then ``BlockStored`` for every block cached now
+        (parents first), then nothing else."""
         if not self._lock.acquire(False):
             self._concurrent()
         try:
