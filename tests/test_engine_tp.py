@@ -174,6 +174,23 @@ def test_a_kv_head_replicated_over_two_ranks_gives_the_tokens_of_one():
         np.testing.assert_array_equal(out[0], ref[0])
 
 
+def test_a_rank_that_dies_fails_the_next_step_and_the_engine_still_closes():
+    model = LlamaModel.dummy(TINY, "cpu", torch.float32)
+    load = functools.partial(LlamaModel.dummy, TINY, dtype=torch.float32)
+    eng = tensor_parallel_engine(model, config(), frozenset(), 2, load)
+    try:
+        request = eng.add_request(np.arange(1, 20), SamplingParams(max_tokens=4, ignore_eos=True))
+        eng.step()
+        eng.runner.processes[0].kill()
+        eng.runner.processes[0].join()
+        (sample,) = eng.step()
+        assert sample.finish_reason == "error" and "Connection closed by peer" in request.error
+        eng.check_invariants()
+        assert not eng.has_work() and eng.cache.num_live_sequences == 0
+    finally:
+        eng.close()
+
+
 @pytest.mark.parametrize(
     ("model", "sizes"),
     [(SMOLLM2_135M, [1, 3]), (LLAMA_8B, [1, 2, 4, 8, 16, 32]), (TINY, [1, 2, 4])],
