@@ -196,11 +196,13 @@ class TensorParallelRunner(ModelRunner):
         return super().execute(plan, tokens, positions, slots, rows)
 
     def close(self) -> None:
-        """Tells the other ranks to stop, waits for them and leaves the process group; idempotent."""
+        """Tells the other ranks to stop (unless one has died: the broadcast would fail), waits for
+        them and leaves the process group; idempotent."""
         if not self.processes:
             return
         try:
-            self.channel.send(None)
+            if all(process.is_alive() for process in self.processes):
+                self.channel.send(None)
         finally:
             for process in self.processes:
                 process.join()
