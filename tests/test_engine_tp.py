@@ -4,6 +4,7 @@ step's arrays cross the broadcast unchanged, and a size the model cannot split i
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 from contextlib import contextmanager
@@ -172,6 +173,38 @@ def test_a_kv_head_replicated_over_two_ranks_gives_the_tokens_of_one():
         eng.close()
     for out, ref in zip(got, expected, strict=True):
         np.testing.assert_array_equal(out[0], ref[0])
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda-graphs"])
+def test_two_cuda_ranks_give_the_tokens_of_one(graphs):
+    """NCCL, Triton attention, CUDA graphs per rank: SmolLM2's shape with 8/2 heads (its 9/3 do not
+    split in two), dummy weights in float32, a shared system prompt over two turns."""
+    shape = dataclasses.replace(SMOLLM2_135M, name="smollm2-8-2", num_qo_heads=8, num_kv_heads=2)
+    model = LlamaModel.dummy(shape, "cuda:0", torch.float32)
+    load = functools.partial(LlamaModel.dummy, shape, dtype=torch.float32)
+    rng = np.random.default_rng(0)
+    system = rng.integers(0, shape.vocab_size, 300)
+    prompts = [np.concatenate([system, rng.integers(0, shape.vocab_size, 40 + 9 * i)]) for i in range(6)]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    cfg = EngineConfig(num_pages=512, backend="triton", planner=PLANNER, cuda_graphs=graphs)
+
+    def turns(eng: LLMEngine) -> list:
+        first = eng.generate(prompts, params)
+        follow = [np.concatenate([p, o[0], [7, 8, 9]]) for p, o in zip(prompts, first, strict=True)]
+        second = eng.generate(follow, params)
+        eng.check_invariants()
+        return [o[0] for o in first + second]
+
+    expected = turns(LLMEngine(model, cfg))
+    eng = tensor_parallel_engine(model, cfg, frozenset(), 2, load)
+    try:
+        got = turns(eng)
+        assert eng.stats.shared_levels > 0 and (eng.stats.graph_steps > 0) == graphs
+    finally:
+        eng.close()
+    for out, ref in zip(got, expected, strict=True):
+        np.testing.assert_array_equal(out, ref)
 
 
 def test_a_rank_that_dies_fails_the_next_step_and_the_engine_still_closes():
