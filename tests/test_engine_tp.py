@@ -224,6 +224,17 @@ def test_a_rank_that_dies_fails_the_next_step_and_the_engine_still_closes():
         eng.close()
 
 
+def test_a_rank_that_fails_to_load_is_an_error_at_start_not_a_hang():
+    model = LlamaModel.dummy(TINY, "cpu", torch.float32)
+    unknown = model_loader("no-such-model")  # raises ValueError in the other rank
+    with pytest.raises(RuntimeError, match=r"tensor-parallel rank 1 exited at start \(code 1\)"):
+        tensor_parallel_engine(model, config(), frozenset(), 2, unknown)
+    assert not torch.distributed.is_initialized()
+    load = functools.partial(LlamaModel.dummy, TINY, dtype=torch.float32)
+    eng = tensor_parallel_engine(model, config(), frozenset(), 2, load)
+    eng.close()  # a new group starts after the failed one
+
+
 @pytest.mark.parametrize(
     ("model", "sizes"),
     [(SMOLLM2_135M, [1, 3]), (LLAMA_8B, [1, 2, 4, 8, 16, 32]), (TINY, [1, 2, 4])],

@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import functools
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -224,17 +225,27 @@ def model_loader(
     return functools.partial(load_weights_of, name, dtype=dtype, num_layers=num_layers)
 
 
-def _join(rank: int, size: int, init_method: str, device: torch.device) -> None:
+def _join(rank: int, size: int, store: dist.Store, device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=TIMEOUT)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=TIMEOUT)
+
+
+def _wait_for(store: dist.Store, key: str, processes: list[mp.Process]) -> None:
+    """Until every other rank has set ``key<rank>`` in ``store``; raises RuntimeError naming a rank
+    that exited first (it failed to start or to load the model: its error is on stderr)."""
+    while not store.check([f"{key}{rank}" for rank in range(1, len(processes) + 1)]):
+        for rank, process in enumerate(processes, 1):
+            if not process.is_alive() and not store.check([f"{key}{rank}"]):
+                raise RuntimeError(f"tensor-parallel rank {rank} exited at start (code {process.exitcode})")
+        time.sleep(0.05)
 
 
 def _follow(
     rank: int,
     size: int,
-    init_method: str,
+    rendezvous: str,
     device: torch.device,
     load: Callable[[str], LlamaModel],
     config: EngineConfig,
@@ -242,11 +253,14 @@ def _follow(
 ) -> None:
     """A rank other than 0: loads the model, keeps its shard, runs every step rank 0 sends."""
     torch.set_num_threads(num_threads)
-    _join(rank, size, init_method, device)
+    store = dist.FileStore(rendezvous, size)
+    store.set(f"joined{rank}", "1")
+    _join(rank, size, store, device)
     try:
         model = shard_model(load(str(device)), size, rank, dist.group.WORLD)
         runner = ModelRunner(model, config, engine_planner(config).max_levels)
         channel = StepChannel(device)
+        store.set(f"ready{rank}", "1")
         while (data := channel.receive()) is not None:
             runner.execute(*unpack_step(data))
     finally:
@@ -262,29 +276,37 @@ def tensor_parallel_engine(
 ) -> LLMEngine:
     """An engine over ``size`` ranks: this process is rank 0 with ``model``'s shard, and ``size - 1``
     processes are started, each loading the model with ``load(device)`` (picklable: see
-    ``model_loader``) and keeping its shard. ``size`` 1: a plain ``LLMEngine`` of ``model``.
-    ``engine.close()`` stops the other ranks. Raises ValueError when the model does not split."""
+    ``model_loader``) and keeping its shard; returns once every rank is ready. ``size`` 1: a plain
+    ``LLMEngine`` of ``model``. On the CPU the ranks share this process's torch threads: each takes
+    ``get_num_threads() // size`` (at least 1), this process included. ``engine.close()`` stops the
+    other ranks. Raises ValueError when the model does not split, RuntimeError (the other ranks
+    stopped) when one of them fails to start."""
     check_tensor_parallel_size(model.config, size)
     if size == 1:
         return LLMEngine(model, config, stop_token_ids)
-    rendezvous = Path(tempfile.mkdtemp(prefix="tensor-parallel-")) / "store"
-    init_method = rendezvous.as_uri()
+    if model.device.type == "cpu":
+        torch.set_num_threads(max(1, torch.get_num_threads() // size))
+    rendezvous = str(Path(tempfile.mkdtemp(prefix="tensor-parallel-")) / "store")
+    store = dist.FileStore(rendezvous, size)
     context = mp.get_context("spawn")
     processes = []
     for rank in range(1, size):
-        args = (
-            rank,
-            size,
-            init_method,
-            rank_device(model.device, rank),
-            load,
-            config,
-            torch.get_num_threads(),
-        )
+        device = rank_device(model.device, rank)
+        args = (rank, size, rendezvous, device, load, config, torch.get_num_threads())
         processes.append(context.Process(target=_follow, args=args, daemon=True))
         processes[-1].start()
-    _join(0, size, init_method, model.device)
-    shard = shard_model(model, size, 0, dist.group.WORLD)
-    max_levels = engine_planner(config).max_levels
-    runner = TensorParallelRunner(shard, config, max_levels, StepChannel(model.device), processes)
+    try:
+        _wait_for(store, "joined", processes)
+        _join(0, size, store, model.device)
+        shard = shard_model(model, size, 0, dist.group.WORLD)
+        max_levels = engine_planner(config).max_levels
+        runner = TensorParallelRunner(shard, config, max_levels, StepChannel(model.device), processes)
+        _wait_for(store, "ready", processes)  # the first step is not kept waiting for a rank to load
+    except BaseException:
+        for process in processes:
+            process.kill()
+            process.join()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        raise
     return LLMEngine(shard, config, stop_token_ids, runner=runner)
