@@ -42,7 +42,16 @@ from examples.engine import EngineConfig, LLMEngine, SamplingParams, SchedulerCo
 from examples.engine.chat import ChatFormat
 from examples.engine.cuda_graphs import graphs_apply
 from examples.engine.loading import load_model
-from examples.engine.options import BACKENDS, PAGE_SIZE_RANGE, check_device, default_backend, ranged_int
+from examples.engine.options import (
+    BACKENDS,
+    PAGE_SIZE_RANGE,
+    add_tensor_parallel_option,
+    check_device,
+    check_tensor_parallel,
+    default_backend,
+    ranged_int,
+)
+from examples.engine.tensor_parallel import model_loader, tensor_parallel_engine
 from prefix_cache.replay.sharegpt import iter_records, message_pairs
 
 SYSTEM_TEXT = (
@@ -500,14 +509,18 @@ def run_config(
         scheduler=SchedulerConfig(args.max_batched_tokens, args.max_num_seqs, caching),
         cuda_graphs=graphs == "on",
     )
-    engine = LLMEngine(model, config, chat.stop_token_ids)
-    warm_up(engine, chat, system, warm, args)
-    scraped = None
-    if args.http:
-        done, duration, steps, stopped, scraped = replay_http(engine, chat, system, conversations, args)
-    else:
-        done, duration, steps, stopped = replay(engine, chat, system, conversations, args)
-    engine.check_invariants()
+    load = model_loader(args.model, args.layers, model.dtype)
+    engine = tensor_parallel_engine(model, config, chat.stop_token_ids, args.tensor_parallel_size, load)
+    try:
+        warm_up(engine, chat, system, warm, args)
+        scraped = None
+        if args.http:
+            done, duration, steps, stopped, scraped = replay_http(engine, chat, system, conversations, args)
+        else:
+            done, duration, steps, stopped = replay(engine, chat, system, conversations, args)
+        engine.check_invariants()
+    finally:
+        engine.close()
     requests = sum(len(c.turns) for c in conversations)
     # The limit cut the run short only if some turns were never sent.
     row = {
@@ -538,6 +551,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2", help="smollm2 (real weights), dummy-8b or dummy-1b")
     ap.add_argument("--device", default="cpu")
+    add_tensor_parallel_option(ap)
     ap.add_argument(
         "--backends",
         help=f"comma-separated of {', '.join(BACKENDS)} (default: auto on CUDA, torch on the CPU)",
@@ -584,6 +598,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--name", help="output file stem (default: serving_<device>_<model>)")
     args = ap.parse_args(argv)
     check_device(ap, args)
+    check_tensor_parallel(ap, args)
     args.backends = args.backends or default_backend(args.device)
     for b in args.backends.split(","):
         if b not in BACKENDS:
@@ -615,6 +630,7 @@ def main(argv: list[str] | None = None) -> int:
         + (f"Poisson {args.request_rate}/s" if args.request_rate > 0 else f"{args.clients} clients")
         + f", {args.num_pages} pages of {args.page_size}, budget {args.max_batched_tokens} tokens/step"
         + (", over HTTP (streamed /v1/completions on loopback)" if args.http else ", in process")
+        + (f", tensor parallel over {tp} ranks" if (tp := args.tensor_parallel_size) > 1 else "")
     )
     print(workload, flush=True)
 

@@ -9,18 +9,19 @@ from __future__ import annotations
 import argparse
 import time
 
-from .engine import LLMEngine
 from .loading import load_model
 from .options import (
     add_engine_options,
     add_model_options,
     check_device,
+    check_tensor_parallel,
     engine_config,
     ranged_float,
     ranged_int,
     run_cli,
 )
 from .request import SEED_MAX, SEED_MIN, SamplingParams
+from .tensor_parallel import model_loader, tensor_parallel_engine
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=ranged_int(SEED_MIN, SEED_MAX))
     args = ap.parse_args(argv)
     check_device(ap, args)
+    check_tensor_parallel(ap, args)
     return run_cli(ap, lambda: generate(args))
 
 
@@ -49,11 +51,16 @@ def generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, n=args.n, seed=args.seed
     )
     model, chat = load_model(args.model, args.device)
-    engine = LLMEngine(model, engine_config(args), chat.stop_token_ids)
+    engine = tensor_parallel_engine(
+        model, engine_config(args), chat.stop_token_ids, args.tensor_parallel_size, model_loader(args.model)
+    )
     messages = [{"role": "system", "content": args.system}] if args.system else []
     prompt = chat.render([*messages, {"role": "user", "content": args.prompt}])
     start = time.perf_counter()
-    outputs = engine.generate([prompt], params)[0]
+    try:
+        outputs = engine.generate([prompt], params)[0]
+    finally:
+        engine.close()
     seconds = time.perf_counter() - start
     for i, ids in enumerate(outputs):
         if args.n > 1:

@@ -6,10 +6,11 @@ Per step: the scheduler picks samples and allocates their pages; one cascade pla
 newly full pages become matchable; finished samples are closed, their full pages staying cached for
 the conversation's next turn.
 
-On CUDA with backend "auto" or "triton" (those that take a ``GraphCapacity``), a step whose batch is
-all single-token chunks (decodes) is replayed from a CUDA graph of its batch-size bucket
-(``cuda_graphs.py``); prefill and mixed steps, a decode plan over its bucket's capacity, and
-everything on the CPU run eagerly.
+The forward runs in a ``ModelRunner`` (``runner.py``): on CUDA with backend "auto" or "triton"
+(those that take a ``GraphCapacity``), a step whose batch is all single-token chunks (decodes) is
+replayed from a CUDA graph of its batch-size bucket (``cuda_graphs.py``); prefill and mixed steps, a
+decode plan over its bucket's capacity, and everything on the CPU run eagerly. With tensor
+parallelism (``tensor_parallel.py``) the runner is rank 0's, which sends each step to the others.
 """
 
 from __future__ import annotations
@@ -20,19 +21,14 @@ from dataclasses import dataclass, field
 from itertools import count
 
 import numpy as np
-import torch
 
-from prefix_cache import CascadePlan, CascadePlanner, PrefixCache
-from prefix_cache.attention import create_backend
+from prefix_cache import CascadePlanner, PrefixCache
 
-from .cuda_graphs import DecodeGraphs, graphs_apply
 from .model import LlamaModel
 from .request import Request, Sample, SamplingParams, Status
+from .runner import KV_CACHE_DTYPES, ModelRunner
 from .sampling import sample_tokens, token_logprobs
 from .scheduler import Scheduler, SchedulerConfig
-
-#: ``EngineConfig.kv_cache_dtype`` names: the KV pool's dtype (None: the model's).
-KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "fp8": torch.float8_e4m3fn}
 
 
 @dataclass(frozen=True)
@@ -83,35 +79,36 @@ class EngineStats:
     peak_running: int = 0
 
 
+def engine_planner(config: EngineConfig) -> CascadePlanner:
+    """The planner of an engine of ``config``: one level without cascade; with an fp8 pool, the
+    cascade-or-one-level choice weighs KV reads at fp8's byte per element."""
+    planner = config.planner
+    if not config.cascade:
+        planner = CascadePlanner(planner.min_shared_tokens, planner.min_saved_tokens, max_levels=1)
+    if config.kv_cache_dtype == "fp8" and planner.cost_model is not None:
+        planner = dataclasses.replace(planner, cost_model=planner.cost_model.for_kv_itemsize(1))
+    return planner
+
+
 class LLMEngine:
     """A Llama model served over a ``PrefixCache`` and a cascade attention backend."""
 
-    def __init__(self, model: LlamaModel, config: EngineConfig, stop_token_ids: frozenset[int] = frozenset()):
+    def __init__(
+        self,
+        model: LlamaModel,
+        config: EngineConfig,
+        stop_token_ids: frozenset[int] = frozenset(),
+        runner: ModelRunner | None = None,
+    ) -> None:
+        """runner: where the steps run (default: a ``ModelRunner`` of ``model`` in this process);
+        tensor parallelism passes rank 0's, whose model is ``model``'s shard."""
         self.model, self.config = model, config
         self.stop_token_ids = stop_token_ids
         self.cache = PrefixCache(config.num_pages, config.page_size, record_events=False)
-        self.kv_pool = model.new_kv_pool(
-            config.num_pages, config.page_size, KV_CACHE_DTYPES[config.kv_cache_dtype]
-        )
         self.scheduler = Scheduler(self.cache, config.scheduler)
-        planner = config.planner
-        if not config.cascade:
-            planner = CascadePlanner(planner.min_shared_tokens, planner.min_saved_tokens, max_levels=1)
-        if config.kv_cache_dtype == "fp8" and planner.cost_model is not None:
-            # The cascade-or-one-level choice weighs KV reads at the fp8 pool's byte per element.
-            planner = dataclasses.replace(planner, cost_model=planner.cost_model.for_kv_itemsize(1))
-        self.planner = planner
-        self.backend = create_backend(config.backend, device=model.device)
-        self.graphs: DecodeGraphs | None = None
-        if config.cuda_graphs and graphs_apply(config.backend, model.device):
-            self.graphs = DecodeGraphs(
-                model,
-                self.kv_pool,
-                config.backend,
-                max_batch=config.scheduler.max_num_seqs,
-                max_levels=planner.max_levels,
-                max_pages_per_seq=config.graph_max_pages_per_seq or config.num_pages,
-            )
+        self.planner = engine_planner(config)
+        self.runner = runner or ModelRunner(model, config, self.planner.max_levels)
+        self.kv_pool, self.backend, self.graphs = self.runner.kv_pool, self.runner.backend, self.runner.graphs
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self._ids = count()
@@ -183,12 +180,8 @@ class LLMEngine:
         # A sample gets a next token when this chunk reaches the end of its known tokens.
         done = [i for i, (s, n) in enumerate(batch) if s.num_computed + n == s.num_tokens]
         rows = (np.cumsum(qo_lens) - 1)[done]
-        logits = None
-        if self.graphs is not None and bool((qo_lens == 1).all()):
-            logits = self.graphs.run(plan, tokens, positions, slots, rows)
-            self.stats.graph_steps += logits is not None
-        if logits is None:
-            logits = self._forward_eagerly(plan, tokens, positions, slots, rows)
+        logits, from_graph = self.runner.execute(plan, tokens, positions, slots, rows)
+        self.stats.graph_steps += from_graph
         sampled = [batch[i][0] for i in done]
         next_tokens, failures = sample_tokens(logits, sampled)
         for s, entry in zip(sampled, token_logprobs(logits, sampled, next_tokens), strict=True):
@@ -218,31 +211,6 @@ class LLMEngine:
                     failed.append(s)
             self.requests.pop(request.request_id, None)
         return failed
-
-    def _forward_eagerly(
-        self,
-        plan: CascadePlan,
-        tokens: np.ndarray,
-        positions: np.ndarray,
-        slots: np.ndarray,
-        rows: np.ndarray,
-    ) -> torch.Tensor:
-        device = self.model.device
-        # With the dtype the backend finishes planning here (Triton binds its launches, FlashInfer
-        # plans, "auto" may take the FlashInfer route) rather than in the first layer's run.
-        self.backend.plan(plan, **self.model.attention_shape(self.kv_pool[0].dtype))
-
-        def to_device(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(a).to(device)
-
-        return self.model.forward(
-            to_device(tokens.astype(np.int64)),
-            to_device(positions),
-            to_device(slots),
-            self.kv_pool,
-            self.backend,
-            to_device(rows),
-        )
 
     def _append(self, s: Sample, token: int, now: float) -> None:
         request, params = s.request, s.request.params
@@ -277,6 +245,10 @@ class LLMEngine:
         while self.has_work():
             self.step()
         return [[s.output.copy() for s in r.samples] for r in requests]
+
+    def close(self) -> None:
+        """Stop the runner's other processes, if any (tensor parallelism); the engine is done."""
+        self.runner.close()
 
     def check_invariants(self) -> None:
         """The cache's own invariants, and that exactly the running samples hold sequences."""

@@ -7,11 +7,16 @@ output projection, RMSNorm, SwiGLU MLP; a final RMSNorm and the LM head on the r
 The KV pool is one tensor per layer, ``[num_pages, 2, page_size, num_kv_heads, head_dim]``, all
 indexed by the same page ids, in the model's dtype or in fp8 (``torch.float8_e4m3fn``): then each
 layer's K and V are stored divided by that layer's scales (``kv_scales``) and read back times them.
+
+A tensor-parallel shard (``tensor_parallel.shard_model``) holds some of the heads and of the MLP's
+columns: its ``num_qo_heads``/``num_kv_heads`` are its own, and the partial sums of the attention's
+output projection and of the MLP's down projection are all-reduced over ``tp_group``.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from prefix_cache.attention import AttentionBackend
@@ -30,8 +35,14 @@ class LlamaModel:
         embed: torch.Tensor,
         final_norm: torch.Tensor,
         lm_head: torch.Tensor,
+        heads: tuple[int, int] | None = None,
+        tp_group: dist.ProcessGroup | None = None,
     ) -> None:
+        """heads: (query heads, KV heads) that ``layers`` hold, default the config's (a whole model);
+        tp_group: the ranks whose partial sums are all-reduced (a tensor-parallel shard), or None."""
         self.config = config
+        self.num_qo_heads, self.num_kv_heads = heads or (config.num_qo_heads, config.num_kv_heads)
+        self.tp_group = tp_group
         self.layers = layers  # per layer: attn_norm, wqkv, wo, ffn_norm, w_gate_up, w_down
         self.embed = embed  # [vocab, hidden]
         self.final_norm = final_norm  # [hidden]
@@ -113,24 +124,24 @@ class LlamaModel:
         """The keyword arguments of an attention backend's ``plan`` for this model over a KV pool of
         ``kv_dtype`` (default the model's): its heads, head dim and dtypes (with the dtypes the
         backend finishes planning in ``plan``)."""
-        c = self.config
         return dict(
-            num_qo_heads=c.num_qo_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, q_dtype=self.dtype,
+            num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads, head_dim=self.config.head_dim,
+            q_dtype=self.dtype,
             kv_dtype=kv_dtype or self.dtype,
         )  # fmt: skip
 
     def new_kv_pool(
         self, num_pages: int, page_size: int, dtype: torch.dtype | None = None
     ) -> list[torch.Tensor]:
-        """Per layer, ``[num_pages, 2, page_size, num_kv_heads, head_dim]`` in ``dtype``: the model's
-        (default) or fp8, half the bytes of bf16 per page."""
+        """Per layer, ``[num_pages, 2, page_size, num_kv_heads, head_dim]`` (this model's KV heads: a
+        shard's own) in ``dtype``: the model's (default) or fp8, half the bytes of bf16 per page."""
         c = self.config
         dtype = dtype or self.dtype
         if dtype not in (self.dtype, FP8_KV_DTYPE):
             raise ValueError(
                 f"a KV pool holds the model's dtype ({self.dtype}) or {FP8_KV_DTYPE}, not {dtype}"
             )
-        shape = (num_pages, 2, page_size, c.num_kv_heads, c.head_dim)
+        shape = (num_pages, 2, page_size, self.num_kv_heads, c.head_dim)
         return [torch.zeros(shape, device=self.device, dtype=dtype) for _ in range(c.num_layers)]
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,6 +162,12 @@ class LlamaModel:
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
 
+    def _all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """The sum of ``partial`` over the tensor-parallel ranks (itself without a group)."""
+        if self.tp_group is not None:
+            dist.all_reduce(partial, group=self.tp_group)
+        return partial
+
     @torch.inference_mode()
     def forward(
         self,
@@ -170,8 +187,7 @@ class LlamaModel:
         logit_rows: int64 [R], the rows of the batch whose next-token logits are wanted.
         Returns float32 logits [R, vocab].
         """
-        c = self.config
-        hq, hkv, hd = c.num_qo_heads, c.num_kv_heads, c.head_dim
+        hq, hkv, hd = self.num_qo_heads, self.num_kv_heads, self.config.head_dim
         cos, sin = self._rope(positions)
         if not kv_pool[0].is_cuda:  # torch indexing writes the KV on the CPU
             page_size = kv_pool[0].shape[2]
@@ -197,9 +213,9 @@ class LlamaModel:
                 kv[pages, 0, offsets] = k
                 kv[pages, 1, offsets] = v
             attn = backend.run(q.contiguous(), kv, **scales)
-            x = x + F.linear(attn.reshape(-1, hq * hd), layer["wo"])
+            x = x + self._all_reduce(F.linear(attn.reshape(-1, hq * hd), layer["wo"]))
             h = self._rms_norm(x, layer["ffn_norm"])
             gate, up = F.linear(h, layer["w_gate_up"]).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer["w_down"])
+            x = x + self._all_reduce(F.linear(F.silu(gate) * up, layer["w_down"]))
         x = self._rms_norm(x[logit_rows], self.final_norm)
         return F.linear(x, self.lm_head).float()

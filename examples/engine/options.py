@@ -55,7 +55,7 @@ def ranged_float(low: float, high: float) -> Callable[[str], float]:
 
 
 def add_model_options(ap: argparse.ArgumentParser) -> None:
-    """--model, --device, --backend."""
+    """--model, --device, --backend, --tensor-parallel-size."""
     from .config import MODELS
 
     ap.add_argument(
@@ -67,6 +67,18 @@ def add_model_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     ap.add_argument(
         "--backend", choices=BACKENDS, help="attention backend (default: auto on CUDA, torch on the CPU)"
+    )
+    add_tensor_parallel_option(ap)
+
+
+def add_tensor_parallel_option(ap: argparse.ArgumentParser) -> None:
+    """--tensor-parallel-size (checked against the model by ``check_tensor_parallel``)."""
+    ap.add_argument(
+        "--tensor-parallel-size",
+        type=ranged_int(1),
+        default=1,
+        help="ranks the model's heads are split over: CUDA devices from --device's on, or CPU "
+        "processes (docs/tensor-parallel.md)",
     )
 
 
@@ -103,6 +115,28 @@ def check_device(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         ap.error("argument --device: CUDA is not available here")
     if getattr(args, "backend", "") is None:
         args.backend = default_backend(args.device)
+
+
+def check_tensor_parallel(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Ends with one line when --model does not split over --tensor-parallel-size ranks, or there are
+    not that many CUDA devices from --device's on (call after ``check_device``)."""
+    import torch
+
+    from .config import MODELS
+    from .tensor_parallel import check_tensor_parallel_size
+
+    size = args.tensor_parallel_size
+    try:
+        if args.model in MODELS:  # an unknown model is refused where it is loaded
+            check_tensor_parallel_size(MODELS[args.model], size)
+    except ValueError as error:
+        ap.error(f"argument --tensor-parallel-size: {error}")
+    device = torch.device(args.device)
+    if device.type == "cuda" and (device.index or 0) + size > torch.cuda.device_count():
+        ap.error(
+            f"argument --tensor-parallel-size: {size} ranks from {device} need more CUDA devices "
+            f"than the {torch.cuda.device_count()} here"
+        )
 
 
 def default_backend(device: str) -> str:

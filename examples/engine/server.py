@@ -295,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         add_engine_options,
         add_model_options,
         check_device,
+        check_tensor_parallel,
         engine_config,
         ranged_int,
         run_cli,
@@ -321,15 +322,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-interval", type=ranged_int(1), default=10, help="seconds between throughput lines")
     args = ap.parse_args(argv)
     check_device(ap, args)
+    check_tensor_parallel(ap, args)
 
     def serve() -> int:
         import uvicorn
 
         from .loading import load_model
+        from .tensor_parallel import model_loader, tensor_parallel_engine
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         model, chat = load_model(args.model, args.device)
-        engine = LLMEngine(model, engine_config(args), chat.stop_token_ids)
+        engine = tensor_parallel_engine(
+            model,
+            engine_config(args),
+            chat.stop_token_ids,
+            args.tensor_parallel_size,
+            model_loader(args.model),
+        )
         if args.model != "smollm2":
             log.info("%s: random weights at real shapes: text is meaningless, timings are real", args.model)
         app = create_app(
@@ -342,7 +351,10 @@ def main(argv: list[str] | None = None) -> int:
             args.log_interval,
         )
         app.state.address = f"http://{args.host}:{args.port}"
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        try:
+            uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        finally:
+            engine.close()
         return 0
 
     return run_cli(ap, serve)
