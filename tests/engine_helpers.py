@@ -106,3 +106,13 @@ def assert_matches_hf(prompt: np.ndarray, output: np.ndarray, num_layers: int | 
             f"token {j}: engine {output[j]}, transformers {expected[j]} (logit gap {gap:.2e})\n"
             f"engine {output.tolist()}\nhf     {expected.tolist()}"
         )
+
+
+def error_line(capsys: pytest.CaptureFixture[str], main, argv: list[str]) -> str:
+    """The last line a command line printed when it refused ``argv``: exit status 2, no traceback."""
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err.strip().splitlines()[-1]

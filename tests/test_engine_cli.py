@@ -7,19 +7,11 @@ import argparse
 
 import pytest
 import torch
+from engine_helpers import error_line
 
 from examples.engine import __main__ as engine_cli
 from examples.engine import server
 from examples.engine.options import add_engine_options, add_model_options, check_device, engine_config
-
-
-def error_line(capsys: pytest.CaptureFixture[str], main, argv: list[str]) -> str:
-    with pytest.raises(SystemExit) as info:
-        main(argv)
-    assert info.value.code == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    return err.strip().splitlines()[-1]
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 import torch
-from engine_helpers import ROOT, one_torch_thread, smollm2, truncated
+from engine_helpers import ROOT, error_line, one_torch_thread, smollm2, truncated
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -289,15 +289,6 @@ def test_a_packed_step_unpacks_to_the_same_plan_and_arrays(batch, seed):
         for name in ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len"):
             a, b = getattr(got_level, name), getattr(level, name)
             assert a.dtype == b.dtype and np.array_equal(a, b), name
-
-
-def error_line(capsys: pytest.CaptureFixture[str], main, argv: list[str]) -> str:
-    with pytest.raises(SystemExit) as info:
-        main(argv)
-    assert info.value.code == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    return err.strip().splitlines()[-1]
 
 
 @pytest.mark.parametrize(
