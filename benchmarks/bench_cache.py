@@ -253,7 +253,7 @@ PEERS = ("prefix_cache", "sglang", "vllm", "prefix_cache1", "sglang1")
 
 def run_peers(harness: Path, python: str, num_pages: str, repeats: int) -> dict[str, dict]:
     """``repeats`` rounds of one ``replay.py`` run per peer of the harness in ``harness``
-    (``/work/shared/peers/cache`` style: it imports the peers' cache modules, set up by its
+    (a harness that imports the peers' cache modules from their wheels, set up by its
     ``setup.sh``), ours from this checkout; the peers take turns within a round, so a slow spell
     of the shared machine falls on all of them. Returns peer -> the JSON line of its run with the
     least total time in cache calls (``s_peer_total``; the least disturbed one) with
@@ -343,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         "--peers",
         type=Path,
         default=None,
-        help="the peers' replay harness (a directory with replay.py, e.g. /work/shared/peers/cache): "
+        help="the peers' replay harness (a directory with replay.py and setup.sh): "
         "runs SGLang's RadixCache and vLLM's KVCacheManager side by side; skipped when absent",
     )
     parser.add_argument(
