@@ -17,7 +17,10 @@ def _fp8_grid(x, FP8_MAX: tl.constexpr):
     in fp32: the conversion to fp8 that follows is then exact. Rounding here rather than in the
     conversion gives the same bits on the GPU and in Triton's interpreter, whose conversion rounds
     some values up a binade wrong (7.98 to 4)."""
-    x = tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX)
+    # NaN stays NaN, as in torch's conversion (a compiled min/max would return the bound instead).
+    x = tl.minimum(
+        tl.maximum(x, -FP8_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_MAX, propagate_nan=tl.PropagateNan.ALL
+    )
     # Normal e4m3 values keep 3 of fp32's 23 mantissa bits: round the other 20 away in the integer bits.
     bits = x.to(tl.int32, bitcast=True)
     normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)

@@ -838,6 +838,18 @@ def test_auto_backend_graph_launches_check_the_pool() -> None:
         torch.testing.assert_close(backend.run(q, kv_cache).double(), expected, atol=1e-2, rtol=1e-2)
         with pytest.raises(ValueError, match="references page 41, the KV cache has 41 pages"):
             backend.run(q, kv_cache[:41])
+    # An fp8 pool under a capacity takes our launches on both routes: FlashInfer's captured decode
+    # would apply the V scale to the capture's rows only, its prefill graph (FA3) takes no fp8 KV.
+    from prefix_cache.attention.kv_layout import FP8_KV_DTYPE
+
+    for routing, _ in routes:
+        backend = AutoBackend(
+            "cpu", capacity=GraphCapacity(max_query_tokens=8, max_pages=64), routing=routing
+        )
+        backend._fi_module = flashinfer_stand_in
+        backend.plan(CascadePlanner().plan(tables, kv_lens, qo_lens, 4), num_qo_heads=4, num_kv_heads=2,
+                     head_dim=16, q_dtype=torch.bfloat16, kv_dtype=FP8_KV_DTYPE)  # fmt: skip
+        assert backend.graph_key.startswith("triton"), backend.graph_key
 
 
 def test_flashinfer_backend_checks_page_ids(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -220,7 +220,10 @@ class AutoBackend(AttentionBackend):
         )
         if self.capacity is not None:
             key = choose_graph_key(plan, group, self.head_dim, self.routing) if flashinfer else "triton"
-            if key == "flashinfer-prefill" and self.kv_dtype == FP8_KV_DTYPE:
+            if key.startswith("flashinfer") and self.kv_dtype == FP8_KV_DTYPE:
+                # FlashInfer applies the V scale as a separate multiply over the rows of ``out`` it
+                # is given at capture, which a replay of a plan with other rows would scale wrong;
+                # its prefill graph is FA3, which takes fp8 KV only beside an fp8 q.
                 key = "triton"
             if key == "triton":
                 self._triton.plan(plan, **heads, q_dtype=self.dtype, kv_dtype=self.kv_dtype)
