@@ -311,9 +311,7 @@ class AttentionLaunch:
         )  # fmt: skip
         # The plan's buffers are the same objects for every layer: only the layer's tensors are read.
         plan = (q_rows, kv_indices, work, num_work, o_rows, out, lse)
-        # The float scales are not in the key: Triton never specializes fp32 arguments, and a key per
-        # layer's scales would compile-cache one launcher per layer of an fp8 pool.
-        key = (self._plan_key(*plan), *specialization((q, k, v, final)), *scalars[2:])
+        key = (self._plan_key(*plan), *specialization((q, k, v, final)), *scalars)
         kernel = self._kernels[offset_widths(k, v)]
         kernel.launch(key, (q, q_rows, k, v, kv_indices, work, num_work, o_rows, out, lse, final, *scalars))
 
