@@ -15,6 +15,8 @@ import torch
 from engine_helpers import ROOT, error_line, one_torch_thread, smollm2, truncated
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_engine import PLANNER, QUESTIONS
+from test_engine import chat_turns as engine_chat_turns
 
 from examples.engine import (
     LLAMA_8B,
@@ -37,13 +39,6 @@ from examples.engine.tensor_parallel import (
 from prefix_cache import CascadePlanner
 
 # Small thresholds so that this small batch gets shared levels (real engines keep the defaults).
-PLANNER = CascadePlanner(min_shared_tokens=32, min_saved_tokens=32)
-SYSTEM = "You are a concise assistant. Answer every question in one short paragraph, plainly. " * 3
-QUESTIONS = [
-    ("What is the capital of France?", "And what river runs through it?"),
-    ("Name three primary colors.", "Which of them is the warmest?"),
-    ("How do bees make honey?", "Why do they store it?"),
-]
 #: SmolLM2's first layers: the same code path at a fraction of the time (every rank loads the model).
 FEW_LAYERS = 4
 #: A model whose 1 KV head is replicated over 2 ranks.
@@ -84,24 +79,10 @@ def run(eng: LLMEngine, check_every_step: bool = True) -> None:
 
 
 def chat_turns(eng: LLMEngine, questions, new_tokens: int) -> list[np.ndarray]:
-    """All conversations batched, turn by turn, each turn's prompt carrying the earlier replies;
-    the outputs of every turn, the cache's invariants checked after every step."""
-    _, chat = smollm2()
-    prompts = [
-        np.concatenate([chat.message("system", SYSTEM), chat.message("user", q[0])]) for q in questions
-    ]
-    outputs = []
-    for t in range(len(questions[0])):
-        if t:
-            users = [chat.message("user", q[t]) for q in questions]
-            prompts = [np.concatenate([p, u]) for p, u in zip(prompts, users, strict=True)]
-        full = [np.concatenate([p, chat.generation_prompt]) for p in prompts]
-        requests = [eng.add_request(p, SamplingParams(max_tokens=new_tokens, ignore_eos=True)) for p in full]
-        run(eng)
-        replies = [r.samples[0].output.copy() for r in requests]
-        outputs += replies
-        prompts = [np.concatenate([p, o, chat.end_of_reply]) for p, o in zip(full, replies, strict=True)]
-    return outputs
+    """The replies of ``test_engine``'s batched multi-turn chats, turn by turn, the cache's
+    invariants checked after every step."""
+    turns = engine_chat_turns(eng, questions, new_tokens, check_every_step=True)
+    return [output for turn in turns for _, output in turn]
 
 
 def chats_then_an_abort(eng: LLMEngine) -> list[np.ndarray]:
