@@ -14,7 +14,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--run-slow",
         action="store_true",
-        help="also run the tests marked slow (minutes each on a 2-core CPU); CI runs them",
+        help="also run the tests marked slow (tens of seconds or more each on a 2-core CPU); CI runs them",
     )
 
 
