@@ -98,6 +98,9 @@ class BlockTree:
         #: Eviction candidates: ``len(recent)`` plus the live entries of ``older``.
         self.num_lru = 0
         self._serial = 0
+        #: Nodes on the host tier only (``pages is None``): 0 without a host tier, which keeps
+        #: the tier's checks off the paths of a cache without one.
+        self.num_host_nodes = 0
 
     def nodes(self) -> list[Node]:
         """Every node of every namespace, parents first (for checks and snapshots, not the hot
@@ -143,7 +146,11 @@ class BlockTree:
                 child = children.get(ident)
                 if child is None:
                     break
-            end = pos + len(child.pages)
+            pages = child.pages
+            if pages is None:
+                # A run on the host tier only: the GPU prefix ends here.
+                break
+            end = pos + len(pages)
             # The common case: the whole run in one comparison.
             if (
                 end <= num_pages
@@ -172,7 +179,7 @@ class BlockTree:
         """How many leading pages of ``node``'s run equal pages ``pos, pos + 1, ...`` of ``data``
         (at most ``num_pages - pos``)."""
         pb = self.page_bytes
-        count = min(len(node.pages), num_pages - pos)
+        count = min(len(node.keys), num_pages - pos)
         tokens = node.tokens
         if extras is None and node.extras is None:
             if tokens.startswith(data[pos * pb : (pos + count) * pb]):
@@ -217,7 +224,7 @@ class BlockTree:
             self.num_unreferenced -= newly
             # Every other node of the path has a child, so only the last can be a candidate.
             if last.lru_serial >= 0:
-                self._unlist(last)
+                self.unlist(last)
         return last
 
     def split(self, node: Node, count: int) -> Node:
@@ -226,9 +233,24 @@ class BlockTree:
         its children, tick and LRU entry, as the new node's only child. Returns the new node."""
         cut = count * self.page_bytes
         tokens = node.tokens
-        head = Node(node.parent, node.root, tokens[:cut], node.pages[:count], node.keys[:count], None)
+        pages = node.pages
+        head = Node(
+            node.parent,
+            node.root,
+            tokens[:cut],
+            None if pages is None else pages[:count],
+            node.keys[:count],
+            None,
+        )
         del tokens[:cut]
-        del node.pages[:count]
+        if pages is not None:
+            del pages[:count]
+        else:
+            self.num_host_nodes += 1
+        host = node.host
+        if host is not None:
+            head.host = host[:count]
+            del host[:count]
         del node.keys[:count]
         extras = node.extras
         if extras is not None:
@@ -254,7 +276,7 @@ class BlockTree:
 
     # ------------------------------------------------------------------ references
 
-    def _unlist(self, node: Node) -> None:
+    def unlist(self, node: Node) -> None:
         """``node``, an eviction candidate, is acquired: it is not a candidate any more."""
         if node.lru_serial == 0:
             del self.recent[node]
@@ -284,7 +306,9 @@ class BlockTree:
                         orphans.append(node)
             else:
                 freed += len(node.pages)
-                if node.child is None and node.children is None:
+                if (node.child is None and node.children is None) or (
+                    self.num_host_nodes and not has_gpu_child(node)
+                ):
                     # The newest tick: its place is the young end of ``recent``.
                     self.recent[node] = None
                     node.lru_serial = 0
@@ -475,7 +499,7 @@ class BlockTree:
                 evicted.append((root, pages, keys))
                 removed += want
                 if not listed:
-                    self._push_older(node)
+                    self.push_older(node)
                 break
             if listed:
                 if node.lru_serial == 0:
@@ -509,16 +533,30 @@ class BlockTree:
                 # heap head is no newer than the live one, so the test is never too lax.)
                 known = parent
             else:
-                self._push_older(parent)
+                self.push_older(parent)
         if known is not None:
-            self._push_older(known)
+            self.push_older(known)
         self.num_pages -= removed
         self.num_unreferenced -= removed
         if removed:
             self.version += 1
         return evicted
 
-    def _push_older(self, parent: Node) -> None:
+    def oldest(self) -> Node | None:
+        """The least recently released eviction candidate (an unreferenced node with no child on
+        the GPU), None when there is none. Changes nothing but dropping stale heap entries."""
+        older = self.older
+        while older and older[0][2].lru_serial != older[0][1]:
+            heapq.heappop(older)  # stale: the parent was acquired again after it was pushed
+        recent = self.recent
+        if recent:
+            node = next(iter(recent))
+            if older and older[0][0] < node.tick:
+                return older[0][2]
+            return node
+        return older[0][2] if older else None
+
+    def push_older(self, parent: Node) -> None:
         """``parent``, unreferenced, became a leaf by eviction: it waits in the heap with its own
         (older) tick."""
         self._serial += 1
@@ -532,6 +570,15 @@ class BlockTree:
         root.ref -= 1
         if root.ref == 0 and root.is_leaf:
             del self.roots[root.namespace]
+
+
+def has_gpu_child(node: Node) -> bool:
+    """Whether a node below ``node`` has its run on the GPU (not on the host tier only)."""
+    child = node.child
+    if child is not None:
+        return child.pages is not None
+    children = node.children
+    return children is not None and any(kid.pages is not None for kid in children.values())
 
 
 def check_key(key: object) -> None:

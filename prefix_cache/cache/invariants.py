@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from prefix_cache.cache.block_tree import has_gpu_child
 from prefix_cache.cache.errors import InvariantError
 from prefix_cache.cache.hashing import namespace_seed
 from prefix_cache.cache.tree_nodes import Node, Root
@@ -19,8 +20,9 @@ class InvariantChecker:
     def __init__(self, cache: PrefixCache) -> None:
         self.cache = cache
         self.tree = cache._tree
-        # page id -> what owns it, to catch a page booked twice.
+        # page id -> what owns it, to catch a page booked twice; the same for host pages.
         self.owner: dict[int, str] = {}
+        self.host_owner: dict[int, str] = {}
         # The nodes reachable from the roots.
         self.reachable: set[Node] = set()
         # Per node id, the live sequences that hold it through their own copies, and where.
@@ -28,6 +30,16 @@ class InvariantChecker:
 
     def fail(self, message: str) -> None:
         raise InvariantError(message)
+
+    def book_host(self, page: int, what: str) -> None:
+        tier = self.cache._tier
+        if tier is None:
+            self.fail(f"{what}: host page {page} without a host tier")
+        if not 0 <= page < tier.num_pages:
+            self.fail(f"{what}: host page id {page} outside [0, {tier.num_pages})")
+        if page in self.host_owner:
+            self.fail(f"host page {page} is both {self.host_owner[page]} and {what}")
+        self.host_owner[page] = what
 
     def book(self, page: int, what: str) -> None:
         if not 0 <= page < self.cache._num_pages:
@@ -66,6 +78,47 @@ class InvariantChecker:
                 f"tables {len(tables)} != {cache._num_pages} pages"
             )
         self.check_lru(nodes)
+        if cache._tier is not None:
+            self.check_host(nodes)
+        elif tree.num_host_nodes or any(node.pages is None or node.host is not None for node in nodes):
+            self.fail("runs on a host tier that does not exist")
+
+    def check_host(self, nodes: list[Node]) -> None:
+        """The host tier: every host page free, cached by one host-only run, or left by its run
+        while loads still read it (pinned); pins are the loads of live sequences; the host LRU
+        holds exactly the host-only leaves."""
+        cache, tier = self.cache, self.cache._tier
+        host_only = [node for node in nodes if node.pages is None]
+        if len(host_only) != self.tree.num_host_nodes:
+            self.fail(f"{len(host_only)} runs on the host only, counter says {self.tree.num_host_nodes}")
+        cached = sum(len(node.host) for node in host_only)
+        if cached != tier.num_cached:
+            self.fail(f"{cached} host pages cached, counter says {tier.num_cached}")
+        for page in tier.free:
+            self.book_host(page, "free on the host")
+        for page in tier.orphans:
+            if page not in tier.pins:
+                self.fail(f"host page {page} waits for a load that does not exist")
+            self.book_host(page, "left by its run, pinned")
+        if len(self.host_owner) != tier.num_pages:
+            self.fail(
+                f"{tier.num_pages - len(self.host_owner)} host pages are neither free, cached nor pinned"
+            )
+        pins: dict[int, int] = {}
+        for seq in cache._live:
+            for page in seq._load_host or ():
+                pins[page] = pins.get(page, 0) + 1
+        if pins != tier.pins:
+            self.fail("host pins are not the pages live sequences load")
+        queued = [seq for seq in tier.loading if seq._owner is not cache or not seq._loading]
+        if queued or len(tier.loading) != len(tier.loads):
+            self.fail("a queued load belongs to no loading sequence")
+        live = {
+            id(node) for tick, serial, node in tier.heap if node.lru_serial == serial and tick == node.tick
+        }
+        leaves = {id(node) for node in host_only if node.is_leaf}
+        if live != leaves:
+            self.fail(f"host LRU holds {len(live)} runs, {len(leaves)} host-only leaves exist")
 
     def check_tree(self) -> list[Node]:
         tree = self.tree
@@ -98,35 +151,42 @@ class InvariantChecker:
                 for kid in kids:
                     if kid.parent is not parent or kid.root is not root or isinstance(kid, Root):
                         self.fail(f"{self.name(kid)}: wrong parent or namespace")
+                    if kid.pages is not None and parent.pages is None:
+                        self.fail(f"{self.name(kid)}: on the GPU below a run on the host only")
                     self.check_run(kid, parent, keys)
-                    pages += len(kid.pages)
+                    if kid.pages is not None:
+                        pages += len(kid.pages)
                     nodes.append(kid)
                     stack.append(kid)
             if keys != root.index:
                 self.fail(f"namespace {namespace!r}: its key index is not the keys of its pages")
         if pages != tree.num_pages:
             self.fail(f"tree holds {pages} pages, counter says {tree.num_pages}")
-        unreferenced = sum(len(node.pages) for node in nodes if node.ref == 0)
+        unreferenced = sum(len(node.pages) for node in nodes if node.ref == 0 and node.pages is not None)
         if unreferenced != tree.num_unreferenced:
             self.fail(f"{unreferenced} unreferenced pages, counter says {tree.num_unreferenced}")
         return nodes
 
     @staticmethod
     def name(node: Node) -> str:
-        return (
-            f"run of pages {node.pages.tolist()[:4]}..."
-            if len(node.pages) > 4
-            else f"run {node.pages.tolist()}"
-        )
+        pages, where = (node.pages, "") if node.pages is not None else (node.host, "host ")
+        if pages is None:
+            return f"run of keys {node.keys[:2]} without pages"
+        return f"run of {where}pages {pages.tolist()[:4]}{'...' if len(pages) > 4 else ''}"
 
     def check_run(self, node: Node, parent: Node, keys: set[int]) -> None:
         """One node: its run's shapes, keys (chained, unique in the namespace), reference count
         and pages."""
         page_bytes = 4 * self.cache._page_size
         name = self.name(node)
-        size = len(node.pages)
-        if size == 0 or len(node.keys) != size or len(node.tokens) != size * page_bytes:
-            self.fail(f"{name}: {size} pages, {len(node.keys)} keys, {len(node.tokens)} token bytes")
+        size = len(node.keys)
+        tiers = [pages for pages in (node.pages, node.host) if pages is not None]
+        if len(tiers) != 1:
+            self.fail(f"{name}: on {len(tiers)} tiers (one, the GPU or the host)")
+        if size == 0 or len(tiers[0]) != size or len(node.tokens) != size * page_bytes:
+            self.fail(f"{name}: {len(tiers[0])} pages, {size} keys, {len(node.tokens)} token bytes")
+        if node.pages is None and node.ref:
+            self.fail(f"{name}: on the host only, but held by {node.ref} sequences")
         if node.extras is not None and (len(node.extras) != size or not any(node.extras)):
             self.fail(f"{name}: extra bytes for {len(node.extras)} pages, or none at all")
         key = parent.last_key()
@@ -137,7 +197,10 @@ class InvariantChecker:
             if key in keys:
                 self.fail(f"{name}: key of page {index} is taken twice in its namespace")
             keys.add(key)
-            self.book(node.pages[index], "cached")
+            if node.pages is not None:
+                self.book(node.pages[index], "cached")
+            else:
+                self.book_host(node.host[index], f"cached on the host ({name})")
         if node.ref < 0 or (node.ref > parent.ref and not isinstance(parent, Root)):
             self.fail(f"{name}: ref {node.ref} exceeds its parent's {parent.ref}")
 
@@ -164,6 +227,16 @@ class InvariantChecker:
             if len(seq._tokens) < seq._capacity or len(seq._pages) < seq._num_pages:
                 self.fail(f"{name}: buffers smaller than its pages")
             full = seq._num_tokens // page_size
+            if seq._loading:
+                # Nothing after the GPU prefix is offered before its loads are done.
+                loading = seq._loading // page_size
+                if seq._num_full_pages + loading > full or seq._loading % page_size:
+                    self.fail(f"{name}: loads {seq._loading} tokens after {seq._num_full_pages} pages")
+                if seq._load_host is None or len(seq._load_host) != loading:
+                    self.fail(f"{name}: loads {loading} pages, pins {seq._load_host}")
+                full = seq._num_full_pages
+            elif seq._load_host is not None:
+                self.fail(f"{name}: pins host pages without loading")
             if seq._num_full_pages != full:
                 self.fail(f"{name}: {full} full pages, {seq._num_full_pages} offered to the tree")
             held = seq._num_held
@@ -185,6 +258,8 @@ class InvariantChecker:
             for node in path:
                 if node not in self.reachable:
                     self.fail(f"{name}: holds a node that is not in the tree")
+                if node.pages is None:
+                    self.fail(f"{name}: holds a run that is on the host only")
                 start = index
                 copy = seq._pages[index : index + len(node.pages)].tolist() != node.pages.tolist()
                 if copy:
@@ -232,12 +307,14 @@ class InvariantChecker:
                 if tick != node.tick:
                     self.fail(f"{self.name(node)}: LRU entry tick {tick}, node tick {node.tick}")
                 live[id(node)] = node
-        candidates = {id(node) for node in nodes if node.ref == 0 and node.is_leaf}
+        candidates = {
+            id(node) for node in nodes if node.pages is not None and node.ref == 0 and not has_gpu_child(node)
+        }
         if set(live) != candidates:
             self.fail(f"LRU holds {len(live)} runs, {len(candidates)} unreferenced leaves exist")
         if len(live) != tree.num_lru:
             self.fail(f"LRU counter {tree.num_lru}, {len(live)} live entries")
-        if any(node.lru_serial >= 0 and id(node) not in live for node in nodes):
+        if any(node.lru_serial >= 0 and id(node) not in live for node in nodes if node.pages is not None):
             self.fail("a node claims an LRU entry that does not exist")
         heap = tree.older
         for index in range(1, len(heap)):

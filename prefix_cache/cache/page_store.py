@@ -14,6 +14,7 @@ import numpy as np
 from prefix_cache.cache.block_tree import BlockTree, check_key
 from prefix_cache.cache.errors import OutOfPages
 from prefix_cache.cache.event_log import EventLog
+from prefix_cache.cache.host_tier import HostTier
 from prefix_cache.cache.page_pool import PagePool
 from prefix_cache.cache.sequence import Sequence
 from prefix_cache.cache.tree_nodes import NO_WALK, Node, Root, Walk
@@ -37,13 +38,18 @@ class PageStore:
         "pending",
         "pool",
         "stored_pages",
+        "tier",
         "tree",
     )
 
-    def __init__(self, pool: PagePool, tree: BlockTree, events: EventLog | None) -> None:
+    def __init__(
+        self, pool: PagePool, tree: BlockTree, events: EventLog | None, tier: HostTier | None = None
+    ) -> None:
         self.pool = pool
         self.tree = tree
         self.events = events
+        #: The host tier, None without one: eviction then moves runs there.
+        self.tier = tier
         self.page_size = tree.page_size
         #: Pages cached, pages whose block another sequence had cached first (kept private),
         #: pages left private after a hash collision, pages evicted.
@@ -97,6 +103,7 @@ class PageStore:
             and not seq._broken
             and not seq._extras
             and not self.tree.check_keys
+            and not seq._loading
         ):
             seq._dirty = True
             self.pending[leaf] = seq
@@ -139,6 +146,7 @@ class PageStore:
             or leaf is seq._root
             or seq._broken
             or seq._extras
+            or seq._loading
         ):
             self.store_full_pages(seq, end)
             return
@@ -172,7 +180,10 @@ class PageStore:
         appended to the sequence's own leaf run when only it holds that leaf, else as a new run;
         after a hash collision the page and all later ones stay private.
 
-        Everything that can fail (the caller's hash function) runs before the first change."""
+        Everything that can fail (the caller's hash function) runs before the first change.
+        While ``seq`` loads from the host tier nothing is offered: its pages wait for the loads."""
+        if seq._loading:
+            return
         page_size = self.page_size
         first = seq._num_full_pages
         full = end // page_size
@@ -202,16 +213,29 @@ class PageStore:
         after = walk.last(parent)
         # The key of the last twin (which may end inside its run), or of the sequence's last page.
         parent_key = after.keys[walk.partial - 1] if walk.partial else after.last_key()
-        new = data[twins * page_bytes :]
-        new_extras = extras[twins:] if extras is not None else None
+        # Runs on the host only that continue the pages take the sequence's pages as their GPU
+        # copy below (nothing to load: the sequence computed them).
+        upgrades = NO_WALK
+        if self.tier is not None and tree.num_host_nodes and twins < count and not walk.partial:
+            upgrades = self.tier.walk(after, data, twins, count, extras)
+            if upgrades.pages:
+                last = upgrades.nodes[-1]
+                parent_key = last.keys[upgrades.partial - 1] if upgrades.partial else last.last_key()
+        covered = twins + upgrades.pages
+        new = data[covered * page_bytes :]
+        new_extras = extras[covered:] if extras is not None else None
         # A caller's hash function may fail: keys are computed before anything changes.
-        keys = tree.page_keys(parent_key, new, new_extras) if twins < count else []
+        keys = tree.page_keys(parent_key, new, new_extras) if covered < count else []
         # From here on nothing can fail.
         seq._num_full_pages = full
         if twins:
             seq._node = after = self._hold_twins(seq, walk, first)
             seq._num_held = first + twins
             self.duplicate_pages += twins
+        if upgrades.pages:
+            seq._node = after = self.tier.upgrade(upgrades, seq, first + twins)
+            twins = covered
+            seq._num_held = first + twins
         if twins == count:
             return
         tree.claim_keys(root, keys)
@@ -309,7 +333,12 @@ class PageStore:
 
     def evict(self, num_pages: int) -> int:
         """Evict up to ``num_pages`` pages in LRU order, with ``BlockRemoved`` events (one per run
-        of pages of one namespace); returns the number evicted."""
+        of pages of one namespace; with a host tier, runs move there, see ``HostTier.evict_gpu``);
+        returns the number evicted."""
+        if self.tier is not None:
+            count = self.tier.evict_gpu(num_pages)
+            self.evicted_pages += count
+            return count
         evicted, count = self.evict_pages(num_pages)
         events = self.events
         if evicted and events is not None:

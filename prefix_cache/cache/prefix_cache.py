@@ -28,12 +28,14 @@ from prefix_cache.cache.hashing import (
     default_hash_fn,
     page_extras,
 )
+from prefix_cache.cache.host_tier import HostTier
 from prefix_cache.cache.invariants import InvariantChecker
 from prefix_cache.cache.page_pool import PagePool
 from prefix_cache.cache.page_store import PageStore
 from prefix_cache.cache.sequence import Sequence
 from prefix_cache.cache.stats import CacheStats
 from prefix_cache.cache.tokens import MAX_TOKEN_ID, as_token_array
+from prefix_cache.cache.transfers import Transfers
 from prefix_cache.cache.tree_nodes import NO_WALK, Root, Walk
 
 MAX_PAGE_SIZE = 1024
@@ -78,6 +80,10 @@ class PrefixCache:
             moment (a consumer that applies events in order ends up right).
         max_event_bytes: the same for the bytes those events hold (4 per token id, 8 per block
             hash), ``>= 1``: one event of a long prefill carries its whole prompt.
+        host_pages: pages of the host tier, ``0 .. 2**31 - 1`` (0: none). With a tier, eviction
+            moves cached runs to host pages instead of dropping them, prompts match across both
+            tiers, and the engine makes the copies the cache asks for (``take_transfers`` /
+            ``transfers_done``); see ``prefix_cache.cache.host_tier`` and docs/offload.md.
 
     Threading: one ``PrefixCache`` belongs to one scheduler thread; calls must not overlap. Every
     call that touches shared state (the tree, the free pages, events) takes a non-blocking lock
@@ -102,8 +108,10 @@ class PrefixCache:
         record_events: bool = True,
         max_events: int = DEFAULT_MAX_EVENTS,
         max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
+        host_pages: int = 0,
     ) -> None:
         self._num_pages = check_int("num_pages", num_pages, 1, MAX_NUM_PAGES)
+        host_pages = check_int("host_pages", host_pages, 0, MAX_NUM_PAGES)
         self._page_size = check_int("page_size", page_size, 1, MAX_PAGE_SIZE)
         max_events = check_int("max_events", max_events, 1)
         max_event_bytes = check_int("max_event_bytes", max_event_bytes, 1)
@@ -111,11 +119,10 @@ class PrefixCache:
             check_hash_fn(hash_fn, self._page_size)
         self._events = EventLog(max_events, max_event_bytes) if record_events else None
         self._live: set[Sequence] = set()
-        self._store = PageStore(
-            PagePool(self._num_pages),
-            BlockTree(default_hash_fn if hash_fn is None else hash_fn, self._page_size),
-            self._events,
-        )
+        pool = PagePool(self._num_pages)
+        tree = BlockTree(default_hash_fn if hash_fn is None else hash_fn, self._page_size)
+        self._tier = HostTier(tree, pool, host_pages, self._events) if host_pages else None
+        self._store = PageStore(pool, tree, self._events, self._tier)
         # The store's pool and tree, read by the calls that only check or release.
         self._pool = self._store.pool
         self._tree = self._store.tree
@@ -129,6 +136,7 @@ class PrefixCache:
         self._hit_tokens = 0
         self._opened = 0
         self._closed = 0
+        self._host_hit_tokens = 0
 
     # ------------------------------------------------------------------ properties
 
@@ -160,6 +168,16 @@ class PrefixCache:
         return self._tree.num_pages
 
     @property
+    def num_host_pages(self) -> int:
+        """Pages of the host tier (0 without one)."""
+        return 0 if self._tier is None else self._tier.num_pages
+
+    @property
+    def num_host_cached_pages(self) -> int:
+        """Host pages holding runs evicted from the GPU (matchable)."""
+        return 0 if self._tier is None else self._tier.num_cached
+
+    @property
     def num_live_sequences(self) -> int:
         return len(self._live)
 
@@ -169,6 +187,17 @@ class PrefixCache:
         store = self._store
         if store.pending:
             self._locked_flush()
+        tier = self._tier
+        host = {}
+        if tier is not None:
+            host = {
+                "host_pages": tier.num_pages,
+                "free_host_pages": len(tier.free),
+                "host_cached_pages": tier.num_cached,
+                "saved_pages": tier.saved_pages,
+                "loaded_pages": tier.loaded_pages,
+                "host_evicted_pages": tier.evicted_pages,
+            }
         return CacheStats(
             query_tokens=self._query_tokens,
             hit_tokens=self._hit_tokens,
@@ -184,6 +213,8 @@ class PrefixCache:
             cached_pages=self._tree.num_pages,
             evictable_pages=self._tree.num_unreferenced,
             live_sequences=len(self._live),
+            host_hit_tokens=self._host_hit_tokens,
+            **host,
         )
 
     # ------------------------------------------------------------------ engine API
@@ -518,6 +549,8 @@ class PrefixCache:
         try:
             if seq._dirty:
                 self._store.flush_seq(seq)
+            if seq._loading:
+                self._tier.cancel(seq)
             tree = self._tree
             root = seq._root
             if seq._node is not root:
@@ -555,6 +588,92 @@ class PrefixCache:
         finally:
             self._lock.release()
 
+    def take_transfers(self) -> Transfers | None:
+        """The copies between the GPU pool and the host tier queued since the last call, as one
+        batch (``Transfers``: saves of evicted runs, loads of prefixes ``open`` / ``admit`` found
+        on the host), or None when there are none (and always without a host tier). Call it
+        once per step, after the step's ``open`` / ``admit`` / ``allocate`` calls and before its
+        forward, and make the copies in the order ``Transfers`` states; then ``transfers_done``.
+        """
+        if self._tier is None:
+            return None
+        if not self._lock.acquire(False):
+            self._concurrent()
+        try:
+            return self._tier.take_batch()
+        finally:
+            self._lock.release()
+
+    def transfers_done(self, batch: Transfers, ok: bool = True) -> None:
+        """The copies of ``batch`` are made (``ok``), or failed or were never made (``ok=False``).
+
+        Done: the loading sequences' tokens count as computed (``num_loading_tokens`` drops to
+        0) and their pages become cached. Failed: those sequences fall back to their GPU prefix
+        (``num_cached_tokens`` and ``num_tokens`` drop to it, tokens committed after the loaded
+        ones included; the block table keeps its pages, to be computed again), and the runs the
+        batch's saves wrote leave the host tier. Either way the host pages its loads read are
+        released. Raises ValueError, changing nothing, for a batch that is not in flight.
+        """
+        if not isinstance(batch, Transfers):
+            raise TypeError(f"expected Transfers from take_transfers, got {type(batch).__name__}")
+        if type(ok) is not bool:
+            raise TypeError(f"ok must be a bool, got {type(ok).__name__}")
+        if not self._lock.acquire(False):
+            self._concurrent()
+        try:
+            tier = self._tier
+            if tier is None or batch.ticket not in tier.in_flight:
+                raise ValueError(
+                    f"transfer batch {batch.ticket} is not in flight (done twice, or not this cache's)"
+                )
+            if self._store.pending:
+                self._store.flush()
+            for seq in tier.finish(batch):
+                loaded = seq._loading
+                seq._loading = 0
+                if ok:
+                    tier.loaded_pages += loaded // self._page_size
+                    self._store.store_full_pages(seq, seq._num_tokens)
+                else:
+                    seq._num_cached_tokens -= loaded
+                    seq._num_tokens = seq._num_cached_tokens
+                    self._hit_tokens -= loaded
+                    self._host_hit_tokens -= loaded
+            if not ok and len(batch.saves):
+                tier.forget_saves(batch)
+        finally:
+            self._lock.release()
+
+    def match_tiers(
+        self, tokens: object, namespace: Namespace = None, *, extra_keys: list[ExtraKey] | None = None
+    ) -> tuple[int, int]:
+        """``(gpu_tokens, host_tokens)``: the cached prefix ``open`` would find now, its tokens on
+        the GPU (``match``) and the further tokens on the host tier it would load (at most what
+        the GPU pool can take). Changes nothing."""
+        arr = as_token_array(tokens)
+        check_namespace(namespace)
+        extras = page_extras(extra_keys, len(arr), self._page_size)
+        if not self._lock.acquire(False):
+            self._concurrent()
+        try:
+            walk = self._prefix_walk(arr, namespace, extras)
+            page_size = self._page_size
+            gpu = walk.pages * page_size
+            tier = self._tier
+            if tier is None or not self._tree.num_host_nodes or walk.partial:
+                return gpu, 0
+            num_pages = (len(arr) - 1) // page_size
+            start = walk.last(self._tree.roots.get(namespace))
+            if start is None or walk.pages >= num_pages:
+                return gpu, 0
+            page_extras_list = [extras.get(i, b"") for i in range(num_pages)] if extras else None
+            found = tier.walk(start, arr.tobytes(), walk.pages, num_pages, page_extras_list)
+            locked = sum(len(node.pages) for node in walk.nodes if not node.ref)
+            room = len(self._pool.free) + self._tree.num_unreferenced - locked
+            return gpu, max(0, min(found.pages, room)) * page_size
+        finally:
+            self._lock.release()
+
     def reset(self) -> None:
         """Invalidate the cache (after a weight update, say): drop every cached page, so nothing
         computed before the reset can match after it, and emit ``AllBlocksCleared``.
@@ -571,7 +690,10 @@ class PrefixCache:
                     f"reset with {len(self._live)} sequences open: close them first (their KV was "
                     "computed before the reset and would be cached when they commit)"
                 )
-            self._store.evict_pages(self._tree.num_unreferenced)
+            if self._tier is not None:
+                self._clear_tiers()
+            else:
+                self._store.evict_pages(self._tree.num_unreferenced)
             # Only stale entries can be left; drop them rather than skip them later.
             self._tree.older.clear()
             self._last_match = None
@@ -579,6 +701,20 @@ class PrefixCache:
                 self._events.clear()
         finally:
             self._lock.release()
+
+    def _clear_tiers(self) -> None:
+        """``reset`` with a host tier: every run leaves the tree, both tiers' pages are free."""
+        tree = self._tree
+        gpu = [node.pages for node in tree.nodes() if node.pages is not None]
+        for pages in gpu:
+            self._pool.free += pages
+        self._store.evicted_pages += tree.num_pages
+        tree.roots.clear()
+        tree.recent.clear()
+        tree.num_pages = tree.num_unreferenced = tree.num_lru = tree.num_host_nodes = 0
+        tree.version += 1
+        self._tier.evicted_pages += self._tier.num_cached
+        self._tier.clear()
 
     def drain_events(self) -> list[KVCacheEvent]:
         """The events since the last call, oldest first. After an overflow of ``max_events`` or
@@ -633,10 +769,39 @@ class PrefixCache:
             num_cached = walk.pages * self._page_size
             seq._capacity = num_cached
             seq._tokens[:num_cached] = arr[:num_cached]
-        seq._num_tokens = seq._num_allocated = seq._num_cached_tokens = num_cached
+        loaded = 0
+        if self._tier is not None and self._tree.num_host_nodes and not walk.partial:
+            loaded = self._open_host(seq, arr, extras)
+        seq._num_tokens = seq._num_allocated = seq._num_cached_tokens = num_cached + loaded
         self._opened += 1
         self._query_tokens += len(arr)
-        self._hit_tokens += num_cached
+        self._hit_tokens += num_cached + loaded
+        self._host_hit_tokens += loaded
+
+    def _open_host(self, seq: Sequence, arr: np.ndarray, extras: dict[int, bytes]) -> int:
+        """The part of ``_open`` for the host tier: the host runs that continue the prompt after
+        the sequence's GPU prefix (as many pages as the GPU pool can supply) get GPU pages, their
+        loads are queued and their host pages pinned. Returns the tokens to load."""
+        tier = self._tier
+        page_size = self._page_size
+        start = seq._num_pages
+        num_pages = (len(arr) - 1) // page_size
+        if start >= num_pages:
+            return 0
+        page_extras = [extras.get(i, b"") for i in range(num_pages)] if extras else None
+        found = tier.walk(seq._node, arr.tobytes(), start, num_pages, page_extras)
+        count = min(found.pages, len(self._pool.free) + self._tree.num_unreferenced)
+        if not count:
+            return 0
+        # Pinned before the GPU pages are taken: making room on the host for what that evicts
+        # from the GPU cannot then reuse a page these loads read.
+        host = tier.pin(found, count)
+        end = (start + count) * page_size
+        self._store.allocate(seq, end)
+        tier.queue_load(seq, host, seq._pages[start : start + count])
+        seq._tokens[start * page_size : end] = arr[start * page_size : end]
+        seq._loading = count * page_size
+        return seq._loading
 
     def _prefix_walk(self, arr: np.ndarray, namespace: Namespace, extras: dict[int, bytes]) -> Walk:
         """``_walk`` from ``namespace``'s root, ``NO_WALK`` when the namespace has none."""

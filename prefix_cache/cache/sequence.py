@@ -35,6 +35,9 @@ class Sequence:
         "_dups",
         "_extras",
         "_id",
+        "_load_host",
+        "_load_ticket",
+        "_loading",
         "_namespace",
         "_node",
         "_num_allocated",
@@ -106,6 +109,12 @@ class Sequence:
         self._extras: dict[int, bytes] | None = None
         # Rollbacks that removed pages: block table entries written out before one are stale.
         self._rollbacks = 0
+        # Tokens after the GPU prefix whose KV is loaded from the host tier (0: none), the
+        # host pages those loads read (pinned), and the batch that makes them (0: not yet taken).
+        # Until the loads are done none of the sequence's later pages is offered to the tree.
+        self._loading = 0
+        self._load_host: array | None = None
+        self._load_ticket = 0
 
     def __copy__(self) -> Sequence:
         raise TypeError("a Sequence cannot be copied: its pages would be released twice")
@@ -153,9 +162,16 @@ class Sequence:
 
     @property
     def num_cached_tokens(self) -> int:
-        """Prompt tokens whose KV was already cached at ``open``: whole pages, at most
-        ``len(prompt) - 1``."""
+        """Prompt tokens whose KV was already cached at ``open``, on the GPU or on the host tier
+        (``num_loading_tokens``): whole pages, at most ``len(prompt) - 1``."""
         return self._num_cached_tokens
+
+    @property
+    def num_loading_tokens(self) -> int:
+        """Of ``num_cached_tokens``, those found on the host tier whose KV is being loaded into
+        the block table's pages: 0 once ``PrefixCache.transfers_done`` says the loads are made.
+        No kernel may read those pages before (see ``Transfers``)."""
+        return self._loading
 
     @property
     def num_tokens(self) -> int:

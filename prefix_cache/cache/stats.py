@@ -25,6 +25,12 @@ class CacheStats:
     num_pages, free_pages, cached_pages, evictable_pages: occupancy now; ``cached_pages`` counts the
         pages in the block tree, ``evictable_pages`` those of them no live sequence holds.
     live_sequences: sequences opened and not yet closed.
+    host_hit_tokens: of ``hit_tokens``, tokens found on the host tier (loaded, not recomputed).
+    host_pages, free_host_pages, host_cached_pages: the host tier's pages, those holding
+        nothing, and those holding runs evicted from the GPU now (all 0 without a tier).
+    saved_pages, loaded_pages, host_evicted_pages: pages copied to the host (in batches taken),
+        pages loaded back (batches done), host pages dropped by the host's own eviction or
+        ``reset``.
     """
 
     query_tokens: int
@@ -41,3 +47,10 @@ class CacheStats:
     cached_pages: int
     evictable_pages: int
     live_sequences: int
+    host_hit_tokens: int = 0
+    host_pages: int = 0
+    free_host_pages: int = 0
+    host_cached_pages: int = 0
+    saved_pages: int = 0
+    loaded_pages: int = 0
+    host_evicted_pages: int = 0

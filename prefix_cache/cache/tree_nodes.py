@@ -21,7 +21,11 @@ class Node:
     children: when there are two or more such nodes, they by their first page's identity bytes
         (``first_identity``); else None.
     root: the root of the node's namespace (a root's is itself).
-    pages: page ids of the run in the KV pool, ``array('i')``, at least one.
+    pages: page ids of the run in the KV pool, ``array('i')``, at least one; None when the run is
+        on the host tier only (see ``prefix_cache.cache.host_tier``: such a node is held by no
+        sequence and every node below it is host-only too).
+    host: page ids of the run in the host tier's pool, ``array('i')``, or None when the run has no
+        host copy (always None without a host tier).
     keys: the pages' chained block keys, one per page: a list of the int objects that the
         namespace's ``index`` holds too, so removing them from it needs no second lookup.
     tokens: the run's token ids, int32 bytes, ``4 * page_size`` per page.
@@ -43,6 +47,7 @@ class Node:
         "children",
         "copies",
         "extras",
+        "host",
         "keys",
         "lru_serial",
         "pages",
@@ -67,7 +72,8 @@ class Node:
         self.child: Node | None = None
         self.children: dict[bytes, Node] | None = None
         self.tokens = tokens
-        self.pages = pages
+        self.pages: array | None = pages
+        self.host: array | None = None
         self.keys = keys
         self.extras = extras
         # A run is cached by the sequence that computed it, which holds it.

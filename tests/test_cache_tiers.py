@@ -1,0 +1,241 @@
+"""The host tier: random engine traffic with copies made, delayed, completed in any order or
+failed, checked against a model of what each GPU and host page holds.
+
+The model never reads the cache's tree: it keeps the bytes of every page as the engine would
+(``gpu[page]`` / ``host[page]``: per slot, the namespace and the tokens up to and including it),
+writes them for the tokens the engine computes, and moves them only as the batches of
+``take_transfers`` say, in the order they were taken. Every token a sequence counts as computed
+must then read its own prompt's KV: a load that is not done, a page reused under a save, or a
+match into another prompt's pages would show as wrong bytes. ``check_invariants`` runs after every
+step: each page free, held, cached on one tier, or pinned by a load in flight.
+"""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from prefix_cache import OutOfPages, PrefixCache
+from prefix_cache.cache.transfers import Transfers
+
+VOCAB = 3
+POISON = ("garbage",)
+
+
+class TierMachine(RuleBasedStateMachine):
+    @initialize(
+        page_size=st.integers(1, 3),
+        gpu_pages=st.integers(3, 10),
+        host_pages=st.integers(1, 16),
+        system=st.lists(st.integers(0, VOCAB - 1), min_size=0, max_size=6),
+    )
+    def setup(self, page_size: int, gpu_pages: int, host_pages: int, system: list[int]) -> None:
+        self.ps = page_size
+        self.cache = PrefixCache(gpu_pages, page_size, host_pages=host_pages)
+        self.gpu: dict[int, list] = {page: [POISON] * page_size for page in range(gpu_pages)}
+        self.host: dict[int, list] = {page: [POISON] * page_size for page in range(host_pages)}
+        self.system = system
+        # seq -> (namespace, prompt, committed tokens as the engine knows them)
+        self.live: dict = {}
+        self.prompts: list[tuple[object, list[int]]] = []
+        # Batches taken and copied (or not), waiting for transfers_done: (batch, copied).
+        self.in_flight: list[tuple[Transfers, bool]] = []
+
+    # ------------------------------------------------------------------ the engine's side
+
+    def slot(self, namespace, tokens: list[int], position: int) -> tuple:
+        return (namespace, tuple(tokens[: position + 1]))
+
+    def verify(self, seq) -> None:
+        """Every token ``seq`` counts as computed (not loading) holds its own prompt's KV."""
+        namespace, _, tokens = self.live[seq]
+        table = seq.block_table.tolist()
+        loading_from = seq.num_cached_tokens - seq.num_loading_tokens
+        loading_to = seq.num_cached_tokens
+        for position in range(seq.num_tokens):
+            if seq.num_loading_tokens and loading_from <= position < loading_to:
+                continue
+            got = self.gpu[table[position // self.ps]][position % self.ps]
+            assert got == self.slot(namespace, tokens, position), (
+                f"token {position} of sequence {seq.seq_id} reads {got}"
+            )
+
+    def take(self, fail: bool = False) -> None:
+        """Take the queued copies and make them (in order: saves, then loads), or not."""
+        batch = self.cache.take_transfers()
+        if batch is None:
+            return
+        assert batch.saves.dtype == np.int32 and batch.loads.dtype == np.int32
+        if fail:
+            for _gpu, host in batch.saves.tolist():
+                self.host[host] = [POISON] * self.ps
+            for _host, gpu in batch.loads.tolist():
+                self.gpu[gpu] = [POISON] * self.ps
+        else:
+            for gpu, host in batch.saves.tolist():
+                self.host[host] = list(self.gpu[gpu])
+            for host, gpu in batch.loads.tolist():
+                self.gpu[gpu] = list(self.host[host])
+        self.in_flight.append((batch, not fail))
+
+    def write(self, seq, tokens: list[int]) -> None:
+        """The engine's forward: KV of ``tokens`` into the sequence's slots after ``num_tokens``,
+        after the step's copies were taken (the order ``Transfers`` asks for)."""
+        self.take()
+        namespace, _prompt, known = self.live[seq]
+        self.verify(seq)
+        table = seq.block_table.tolist()
+        start = seq.num_tokens
+        known[start:] = tokens
+        for position in range(start, start + len(tokens)):
+            self.gpu[table[position // self.ps]][position % self.ps] = self.slot(namespace, known, position)
+
+    # ------------------------------------------------------------------ rules
+
+    @rule(
+        data=st.data(),
+        source=st.sampled_from(["fresh", "system", "repeat", "repeat"]),
+        suffix=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=10),
+        namespace=st.sampled_from([None, "t"]),
+        extra=st.integers(0, 2),
+        run=st.booleans(),
+    )
+    def admit(self, data, source: str, suffix: list[int], namespace, extra: int, run: bool) -> None:
+        """Admit a prompt (a new one, one after the system prompt, or a finished conversation
+        with one more token, the next turn); with ``run``, prefill it at once and close it."""
+        if len(self.live) > 2:
+            self.close(data)
+        if source == "repeat" and self.prompts:
+            namespace, prefix = data.draw(st.sampled_from(self.prompts))
+            prompt = prefix + suffix[:1]
+        elif source == "system":
+            prompt = self.system + suffix
+        else:
+            prompt = suffix
+        try:
+            seq = self.cache.admit(prompt, namespace, extra_tokens=extra)
+        except OutOfPages:
+            return
+        assert seq.num_cached_tokens % self.ps == 0 and seq.num_cached_tokens < len(prompt)
+        assert 0 <= seq.num_loading_tokens <= seq.num_cached_tokens
+        assert seq.num_tokens == seq.num_cached_tokens
+        self.live[seq] = (namespace, prompt, list(prompt[: seq.num_cached_tokens]))
+        self.verify(seq)
+        if run:
+            if seq.num_loading_tokens and data.draw(st.booleans()):
+                # The engine waits for the loads before the prefill.
+                self.take()
+                self.done(data, False)
+            self.prefill(data, seq)
+            self.close(data, seq)
+
+    def pick(self, data, seq=None):
+        return (
+            seq if seq is not None else data.draw(st.sampled_from(sorted(self.live, key=lambda s: s.seq_id)))
+        )
+
+    @rule(data=st.data())
+    @precondition(lambda self: self.live)
+    def prefill(self, data, seq=None) -> None:
+        """Compute the rest of a prompt (a loading sequence waits for its loads first, or goes on
+        in stream order after them: both are allowed)."""
+        seq = self.pick(data, seq)
+        if seq not in self.live:
+            return
+        _, prompt, _ = self.live[seq]
+        rest = prompt[seq.num_tokens :]
+        room = seq.num_allocated_tokens - seq.num_tokens
+        if not rest or len(rest) > room:
+            return
+        self.write(seq, rest)
+        self.cache.commit(seq, rest)
+
+    @rule(data=st.data(), token=st.integers(0, VOCAB - 1))
+    @precondition(lambda self: self.live)
+    def decode(self, data, token: int) -> None:
+        seq = data.draw(st.sampled_from(sorted(self.live, key=lambda s: s.seq_id)))
+        _, prompt, _ = self.live[seq]
+        if seq.num_tokens < len(prompt):
+            return
+        try:
+            self.cache.allocate(seq, 1)
+        except OutOfPages:
+            return
+        self.write(seq, [token])
+        self.cache.commit(seq, [token])
+
+    @rule(data=st.data())
+    @precondition(lambda self: self.live)
+    def close(self, data, seq=None) -> None:
+        seq = self.pick(data, seq)
+        if seq not in self.live:
+            return
+        namespace, prompt, known = self.live.pop(seq)
+        if seq.num_loading_tokens == 0 and seq.num_tokens >= len(prompt):
+            self.prompts.append((namespace, known[: seq.num_tokens]))
+        self.cache.close(seq)
+
+    @rule(fail=st.booleans())
+    def step(self, fail: bool) -> None:
+        self.take(fail)
+
+    @rule(data=st.data(), cancel=st.booleans())
+    @precondition(lambda self: self.in_flight)
+    def done(self, data, cancel: bool) -> None:
+        """Complete any batch in flight, in any order: a batch not copied must report failure;
+        one copied may still report it (the engine gave up on it)."""
+        if not self.in_flight:
+            return
+        index = data.draw(st.integers(0, len(self.in_flight) - 1))
+        batch, copied = self.in_flight.pop(index)
+        ok = copied and not cancel
+        waiting = [seq for seq in self.live if seq.num_loading_tokens]
+        self.cache.transfers_done(batch, ok=ok)
+        with pytest.raises(ValueError, match="not in flight"):
+            self.cache.transfers_done(batch)
+        for seq in waiting:
+            if not seq.num_loading_tokens:
+                # Loads done: verified in full now; failed: back to the GPU prefix.
+                _namespace, _prompt, known = self.live[seq]
+                del known[seq.num_tokens :]
+                self.verify(seq)
+
+    @rule(count=st.integers(0, 6))
+    def evict(self, count: int) -> None:
+        assert self.cache.evict(count) <= count
+
+    @rule()
+    @precondition(lambda self: not self.live)
+    def reset(self) -> None:
+        self.cache.reset()
+        stats = self.cache.stats
+        assert stats.host_cached_pages == 0 and stats.free_host_pages == stats.host_pages
+        assert stats.free_pages == stats.num_pages
+        self.prompts.clear()
+
+    @invariant()
+    def consistent(self) -> None:
+        if hasattr(self, "cache"):
+            self.cache.check_invariants()
+            for seq in self.live:
+                assert seq.num_loading_tokens == 0 or seq.num_loading_tokens % self.ps == 0
+
+    def teardown(self) -> None:
+        if not hasattr(self, "cache"):
+            return
+        for seq in list(self.live):
+            self.cache.close(seq)
+        while self.in_flight:
+            batch, copied = self.in_flight.pop()
+            self.cache.transfers_done(batch, ok=copied)
+        self.cache.check_invariants()
+        assert self.cache.num_free_pages + self.cache.num_evictable_pages == self.cache.num_pages
+
+
+TierMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=list(HealthCheck)
+)
+test_tiers = TierMachine.TestCase
