@@ -46,6 +46,23 @@ def int_in(low: int, high: int) -> Callable[[str], int]:
     return parse
 
 
+def float_in(low: float, high: float) -> Callable[[str], float]:
+    """An argparse ``type=``: a number in ``low..high`` (a duration in seconds, say), as
+    :func:`int_in` does for integers; NaN and infinities are out of range."""
+    allowed = f"in {low:g}..{high:g}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number {allowed}, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be {allowed}, got {text}")
+        return value
+
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``prefix-cache`` argument parser."""
     parser = argparse.ArgumentParser(prog="prefix-cache", description=__doc__.splitlines()[0])
@@ -58,6 +75,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_workload_options(rep)
     _add_engine_options(rep)
+    _add_clock_options(rep.add_argument_group("simulated clock"))
+    rep.add_argument(
+        "--seed",
+        type=int_in(0, 2**32 - 1),
+        metavar="N",
+        default=0,
+        help="random seed of the synthetic workload and of think times (default: %(default)s)",
+    )
     _add_routing_options(rep.add_argument_group("replicas behind a router"))
     _add_synthetic_options(rep.add_argument_group("synthetic workload"))
     rep.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
@@ -135,6 +160,24 @@ def _add_engine_options(rep: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_clock_options(clock: argparse._ArgumentGroup) -> None:
+    clock.add_argument(
+        "--think-time",
+        type=float_in(0, 3600),
+        metavar="SECONDS",
+        default=0.0,
+        help="mean time a user thinks between a reply and their next turn, exponentially distributed "
+        "(default: %(default)g, the next turn arrives as the reply ends)",
+    )
+    clock.add_argument(
+        "--step-time",
+        type=float_in(0.001, 10),
+        metavar="SECONDS",
+        default=0.02,
+        help="simulated duration of every engine step, whatever it computes (default: %(default)g)",
+    )
+
+
 def _add_routing_options(routing: argparse._ArgumentGroup) -> None:
     routing.add_argument(
         "--replicas",
@@ -153,9 +196,6 @@ def _add_routing_options(routing: argparse._ArgumentGroup) -> None:
 
 
 def _add_synthetic_options(syn: argparse._ArgumentGroup) -> None:
-    syn.add_argument(
-        "--seed", type=int_in(0, 2**32 - 1), metavar="N", default=0, help="random seed (default: %(default)s)"
-    )
     syn.add_argument(
         "--system-prompt-tokens",
         type=int_in(0, 131_072),
@@ -240,7 +280,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.fail(f"argument --workload: {args.workload} needs pip install 'prefix-cache[replay]' ({exc})")
     _check_fits(args, workload)
     config = SchedulerConfig(
-        num_pages=args.num_pages, page_size=args.page_size, max_running=args.max_running, clients=args.clients
+        num_pages=args.num_pages,
+        page_size=args.page_size,
+        max_running=args.max_running,
+        clients=args.clients,
+        think_time=args.think_time,
+        step_time=args.step_time,
+        seed=args.seed,
     )
     if args.replicas > 1:
         from prefix_cache.replay.cluster import compare_routers

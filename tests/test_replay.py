@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import re
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -12,6 +14,7 @@ import pytest
 from prefix_cache.__main__ import main
 from prefix_cache.cache.prefix_cache import OutOfPages, PrefixCache
 from prefix_cache.cache.sequence import Sequence
+from prefix_cache.replay.clock import ThinkingUsers, ThinkTime
 from prefix_cache.replay.conversation import Conversation, Turn, cap_conversation, cap_reply
 from prefix_cache.replay.oracle import ROOT, UnlimitedPrefixIndex
 from prefix_cache.replay.sharegpt import iter_records, message_pairs
@@ -164,6 +167,90 @@ def test_replies_that_run_out_of_pages_are_cut_and_leak_nothing():
     assert res.cut_replies > 0 and res.conversations_cut > 0
     assert res.closed == res.requests
     _check_no_leak(cache)
+
+
+# -- the simulated clock and think time ------------------------------------------------------------
+
+
+def test_no_think_time_replays_as_before_the_clock():
+    conversations = synthetic_conversations(SMALL)
+    # Counters of the scheduler before it had a clock, on this workload: think time 0 keeps them,
+    # whatever the step time and seed.
+    before = {60: (23184, 584, 396, 60, 57), 100_000: (23392, 569, 0, 442, 63)}
+    for pages, expected in before.items():
+        for step_time, seed in ((0.02, 0), (1.5, 9)):
+            config = SchedulerConfig(
+                num_pages=pages, max_running=8, clients=6, think_time=0, step_time=step_time, seed=seed
+            )
+            _, res = replay(conversations, config)
+            assert (res.requests, res.prompt_tokens) == (160, 27550)
+            got = (res.cached_tokens, res.steps, res.stats.evicted_pages, res.peak_used_pages)
+            assert (*got, res.peak_locked_pages) == expected
+            assert res.idle_steps == 0 and res.simulated_seconds == pytest.approx(res.steps * step_time)
+
+
+def test_think_time_lets_other_conversations_churn_a_small_pool():
+    conversations = synthetic_conversations(SMALL)
+    base = SchedulerConfig(num_pages=60, max_running=8, clients=6)
+    _, instant = replay(conversations, base)
+    # 1 s at 20 ms a step: 50 steps of thinking, about a turn's time.
+    cache, thinking = replay(conversations, replace(base, think_time=1.0))
+    assert thinking.requests == instant.requests and thinking.prompt_tokens == instant.prompt_tokens
+    assert thinking.hit_rate < instant.hit_rate - 0.01
+    assert thinking.stats.evicted_pages > instant.stats.evicted_pages
+    assert thinking.steps > instant.steps  # fewer users at once: more, emptier steps
+    assert thinking.best_cached_tokens == instant.best_cached_tokens
+    _check_no_leak(cache)
+    # The same think times, seeded: the same replay; another seed, another one.
+    assert replay(conversations, replace(base, think_time=1.0))[1].cached_tokens == thinking.cached_tokens
+    assert replay(conversations, replace(base, think_time=1.0, seed=1))[1].steps != thinking.steps
+
+
+def test_a_lone_user_thinks_on_an_idle_engine():
+    conversations = synthetic_conversations(SMALL)
+    base = SchedulerConfig(num_pages=60, max_running=8, clients=1)
+    _, instant = replay(conversations, base)
+    _, res = replay(conversations, replace(base, think_time=2.0, step_time=0.01))
+    # Nothing runs while the only user thinks: the cache sees the same calls, the clock skips ahead.
+    assert (res.cached_tokens, res.steps) == (instant.cached_tokens, instant.steps)
+    gaps = sum(len(c.turns) - 1 for c in conversations)
+    assert res.idle_steps > 0
+    assert res.simulated_seconds == pytest.approx((res.steps + res.idle_steps) * 0.01)
+    # Each gap between turns is the think time drawn then, rounded up to whole steps.
+    think = ThinkTime(2.0, seed=0)
+    assert res.idle_steps == sum(math.ceil(think.draw() / 0.01) for _ in range(gaps))
+
+
+def test_think_times_are_exponential_with_the_mean_asked():
+    think = ThinkTime(4.0, seed=5)
+    draws = np.array([think.draw() for _ in range(40_000)])
+    assert draws.min() >= 0
+    assert draws.mean() == pytest.approx(4.0, rel=0.03)
+    assert np.median(draws) == pytest.approx(4.0 * np.log(2), rel=0.03)  # exponential, not just the mean
+    with pytest.raises(ValueError, match="mean_seconds"):
+        ThinkTime(0)
+
+
+class FixedThinkTime(ThinkTime):
+    def __init__(self, seconds: list[float]) -> None:
+        super().__init__(1.0)
+        self.seconds = iter(seconds)
+
+    def draw(self) -> float:
+        return next(self.seconds)
+
+
+def test_thinking_users_come_back_at_the_first_step_after_their_think_time():
+    users = ThinkingUsers(FixedThinkTime([0.05, 0.01, 0.0, 0.03]), step_time=0.02)
+    for user in "abcd":
+        users.think(user, end_step=10)
+    assert len(users) == 4 and users.next_step == 10
+    assert users.back(10) == ["c"]
+    assert users.back(11) == ["b"]
+    assert users.back(12) == ["d"] and users.next_step == 13  # 0.03 s: 1.5 steps, rounded up
+    assert users.back(20) == ["a"] and not users
+    with pytest.raises(ValueError, match="step_time"):
+        ThinkingUsers(ThinkTime(1.0), step_time=0)
 
 
 # -- ShareGPT reader -------------------------------------------------------------------------------
@@ -326,6 +413,9 @@ def test_cli_replays_a_tiny_synthetic_workload(capsys):
     for label in ("hit rate", "best possible", "evicted", "admission", "decode", "close", "peak"):
         assert label in out
     assert "12 conversations" in out
+    assert "s simulated at 0.02 s per step; no think time" in out
+    assert main([*argv, "--think-time", "1.5", "--step-time", "0.05", "--seed", "3"]) == 0
+    assert "s simulated at 0.05 s per step; think time 1.5 s mean" in capsys.readouterr().out
 
 
 def test_cli_rejects_bad_options(capsys):
@@ -388,6 +478,13 @@ def _option_error(capsys, argv: list[str]) -> str:
             "argument --system-prompt-tokens: must be in 0..131072, got 131073",
         ),
         ("--max-turns", "257", "argument --max-turns: must be in 1..256, got 257"),
+        ("--think-time", "-1", "argument --think-time: must be in 0..3600, got -1"),
+        ("--think-time", "3601", "argument --think-time: must be in 0..3600, got 3601"),
+        ("--think-time", "nan", "argument --think-time: must be in 0..3600, got nan"),
+        ("--think-time", "1s", "argument --think-time: must be a number in 0..3600, got '1s'"),
+        ("--step-time", "0", "argument --step-time: must be in 0.001..10, got 0"),
+        ("--step-time", "11", "argument --step-time: must be in 0.001..10, got 11"),
+        ("--step-time", "inf", "argument --step-time: must be in 0.001..10, got inf"),
         ("--tokenizer", "tokenizer.json", "argument --tokenizer: only --workload sharegpt reads a tokenizer"),
     ],
 )

@@ -63,11 +63,13 @@ def test_simple_routers() -> None:
         make_router("prefix", 2)
 
 
-def test_one_replica_replays_exactly_like_the_single_engine() -> None:
+@pytest.mark.parametrize("think_time", [0.0, 0.5])
+def test_one_replica_replays_exactly_like_the_single_engine(think_time: float) -> None:
     conversations = synthetic_conversations(WORKLOAD)
-    _, single = replay(conversations, CONFIG)
+    config = replace(CONFIG, think_time=think_time)
+    _, single = replay(conversations, config)
     for router in ("round-robin", "prefix"):
-        res = replay_cluster(conversations, CONFIG, 1, router)
+        res = replay_cluster(conversations, config, 1, router)
         assert (res.requests, res.prompt_tokens, res.cached_tokens, res.best_cached_tokens) == (
             single.requests,
             single.prompt_tokens,
@@ -75,6 +77,8 @@ def test_one_replica_replays_exactly_like_the_single_engine() -> None:
             single.best_cached_tokens,
         )
         assert res.steps == single.steps and res.imbalance == 1.0
+    if think_time:
+        assert single.cached_tokens < replay(conversations, CONFIG)[1].cached_tokens
 
 
 def test_routers_over_zmq_on_a_multi_turn_workload() -> None:

@@ -6,6 +6,7 @@
 - ``synthetic``: a seeded synthetic workload (system prompt, turns, parallel samples).
 - ``workloads``: either source, tokenized and capped, as a ``Workload``.
 - ``simulator``: the continuous-batching scheduler that drives a ``PrefixCache`` and times it.
+- ``clock``: the simulated clock (seconds per step) and users' think time between turns.
 - ``oracle``: the best possible hits, from a page index that never evicts.
 - ``report``: the text report.
 - ``routing``, ``cluster``: several replicas behind a router, events over ZMQ (``--replicas``).

@@ -8,7 +8,8 @@ Replicas step in lockstep. After every step each replica publishes its cache's e
 :class:`KVEventSubscriber` feeds them to the router's :class:`BlockIndex`. Before routing the
 requests that arrived during a step, the router waits until its index has applied every batch
 published so far, so its view is the replicas' state at the end of the previous step: the results
-do not depend on thread timing.
+do not depend on thread timing. Users think between turns on one clock for all replicas, as in
+:mod:`prefix_cache.replay.clock`.
 
 Measured per router: the aggregate hit rate; the best possible with unlimited pages (one index of
 every page ever computed, over the same request order); load imbalance, the mean over steps of
@@ -29,6 +30,7 @@ from prefix_cache.cache.prefix_cache import PrefixCache
 from prefix_cache.events.index import BlockIndex
 from prefix_cache.events.publisher import KVEventPublisher
 from prefix_cache.events.subscriber import KVEventSubscriber
+from prefix_cache.replay.clock import ThinkingUsers, ThinkTime
 from prefix_cache.replay.conversation import Conversation, Workload
 from prefix_cache.replay.oracle import UnlimitedPrefixIndex
 from prefix_cache.replay.routing import MAX_REPLICAS, make_router
@@ -107,6 +109,9 @@ class _Replica(Replay):
     def _enqueue_turn(self, client: _Client) -> None:
         self.cluster.enqueue_turn(client)
 
+    def _next_turn(self, client: _Client) -> None:
+        self.cluster.next_turn(client)
+
     def _start_next_conversation(self) -> None:
         self.cluster.start_next_conversation()
 
@@ -137,6 +142,11 @@ class _Cluster:
         self.index = BlockIndex(replicas, config.page_size)
         self.router = make_router(router, replicas, self.index)
         self.result = ClusterResult(router, replicas)
+        # Steps elapsed on the simulated clock, idle ones included, and the users thinking.
+        self.clock = 0
+        self.thinking: ThinkingUsers[_Client] | None = None
+        if config.think_time > 0:
+            self.thinking = ThinkingUsers(ThinkTime(config.think_time, config.seed), config.step_time)
 
     def start_next_conversation(self) -> None:
         if self.unstarted:
@@ -151,6 +161,24 @@ class _Cluster:
         for sample, reply in enumerate(turn.replies):
             self.pending.append(_Request(client, sample, tokens, reply))
 
+    def next_turn(self, client: _Client) -> None:
+        """The next turn of ``client``, whose turn ended this step: now, or after a think time."""
+        if self.thinking is None:
+            self.enqueue_turn(client)
+        else:
+            self.thinking.think(client, self.clock + 1)
+
+    def arrive(self) -> None:
+        """Users done thinking send their next turn; with nothing to run anywhere, the clock first
+        jumps to the next one."""
+        thinking = self.thinking
+        if not thinking:
+            return
+        if not self.pending and not any(r._queue or r._running for r in self.replicas):
+            self.clock = max(self.clock, thinking.next_step)
+        for client in thinking.back(self.clock):
+            self.enqueue_turn(client)
+
     def route_pending(self) -> None:
         for req in self.pending:
             replica = self.router.choose(req.prompt, self.sessions[req.client], self.loads)
@@ -159,7 +187,7 @@ class _Cluster:
         self.pending = []
 
     def busy(self) -> bool:
-        return bool(self.pending) or any(r._queue or r._running for r in self.replicas)
+        return bool(self.pending or self.thinking) or any(r._queue or r._running for r in self.replicas)
 
     def run(self) -> ClusterResult:
         res = self.result
@@ -175,8 +203,10 @@ class _Cluster:
                     self.start_next_conversation()
                 while self.busy():
                     subscriber.wait_for({n: pub.next_seq for n, pub in enumerate(publishers)})
+                    self.arrive()
                     self.route_pending()
                     self.step()
+                    self.clock += 1
                     for replica, pub in zip(self.replicas, publishers, strict=True):
                         t0 = time.perf_counter_ns()
                         events = replica.cache.drain_events()
@@ -242,9 +272,14 @@ def format_cluster_report(
 ) -> str:
     """The routers side by side; ``one_cache_hit_rate`` is the hit rate of a single engine with
     ``replicas`` times the pages and running requests."""
+    think = (
+        f", think time {config.think_time:g} s mean at {config.step_time:g} s per step"
+        if config.think_time
+        else ""
+    )
     head = [
         f"workload      {workload.name}: {len(workload.conversations):,} conversations, "
-        f"{config.clients} clients",
+        f"{config.clients} clients{think}",
         f"replicas      {replicas} x ({config.num_pages:,} pages x {config.page_size} tokens, "
         f"{config.max_running} running max); events over ZMQ on loopback",
         f"one cache     {one_cache_hit_rate:.2%} hit rate with {replicas * config.num_pages:,} pages and "

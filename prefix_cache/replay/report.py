@@ -21,6 +21,7 @@ def format_report(workload: Workload, config: SchedulerConfig, res: ReplayResult
             f"{config.num_pages:,} pages x {config.page_size} tokens, "
             f"{config.max_running} running max, {config.clients} clients",
         ),
+        ("clock", _clock(config, res)),
         ("conversations", f"{res.conversations:,} replayed, {res.conversations_cut:,} cut short"),
         (
             "requests",
@@ -46,3 +47,13 @@ def format_report(workload: Workload, config: SchedulerConfig, res: ReplayResult
     ]
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
+
+
+def _clock(config: SchedulerConfig, res: ReplayResult) -> str:
+    """The simulated clock: its length, step duration and think time."""
+    think = (
+        f"think time {config.think_time:g} s mean (exponential), {res.idle_steps:,} steps idle"
+        if config.think_time
+        else "no think time"
+    )
+    return f"{res.simulated_seconds:,.1f} s simulated at {config.step_time:g} s per step; {think}"

@@ -4,7 +4,9 @@ Model of the engine:
 
 - ``clients`` users each replay one conversation turn by turn and then start the next unstarted
   one. A turn's requests (one per parallel sample) arrive when the user's previous turn has finished
-  every sample, at the back of one FCFS queue.
+  every sample, at the back of one FCFS queue; with a ``think_time``, after the user has read the
+  reply and typed the next message (:mod:`prefix_cache.replay.clock`: a simulated clock of
+  ``step_time`` seconds per step).
 - Each scheduler step first admits requests from the head of the queue while fewer than
   ``max_running`` run. Admission is the prefill: ``open`` the prompt, ``allocate`` its uncached
   tokens and ``commit`` them, all in that step. Then every running request decodes one reply token
@@ -34,6 +36,7 @@ import numpy as np
 
 from prefix_cache.cache.prefix_cache import OutOfPages, PrefixCache
 from prefix_cache.cache.stats import CacheStats
+from prefix_cache.replay.clock import ThinkingUsers, ThinkTime
 from prefix_cache.replay.conversation import Conversation
 from prefix_cache.replay.oracle import ROOT, UnlimitedPrefixIndex
 
@@ -44,12 +47,21 @@ class SchedulerConfig:
 
     16384 pages of 16 tokens hold 262k tokens: 32 GiB of KV at Llama-3-8B's 128 KiB per token,
     a fraction of one H200's memory.
+
+    ``think_time``: mean seconds a user thinks between a turn's end and the conversation's next
+    turn, exponentially distributed (:class:`prefix_cache.replay.clock.ThinkTime`); 0 for none, the
+    next turn arriving as the previous one ends. ``step_time``: simulated seconds per engine step,
+    whatever it computes (20 ms: a decode step of a few dozen requests on an 8B model). ``seed``
+    seeds the think times.
     """
 
     num_pages: int = 16384
     page_size: int = 16
     max_running: int = 64
     clients: int = 128
+    think_time: float = 0.0
+    step_time: float = 0.02
+    seed: int = 0
 
 
 @dataclass
@@ -59,6 +71,8 @@ class ReplayResult:
     ``cached_tokens`` sums ``num_cached_tokens`` over admitted requests, ``best_cached_tokens`` the
     same with unlimited pages. ``skipped_requests`` could not fit in the pool even alone;
     ``cut_replies`` ran out of pages mid-decode (not expected: admission reserves their pages).
+    ``steps`` counts the steps the engine ran, ``idle_steps`` those the simulated clock skipped
+    while every user was thinking; ``simulated_seconds`` is the clock at the end.
     """
 
     conversations: int = 0
@@ -68,6 +82,8 @@ class ReplayResult:
     best_cached_tokens: int = 0
     decode_tokens: int = 0
     steps: int = 0
+    idle_steps: int = 0
+    simulated_seconds: float = 0.0
     skipped_requests: int = 0
     cut_replies: int = 0
     conversations_cut: int = 0
@@ -178,6 +194,10 @@ class Replay:
     ) -> None:
         if config.max_running < 1 or config.clients < 1:
             raise ValueError("max_running and clients must be at least 1")
+        if not config.think_time >= 0 or not config.step_time > 0:
+            raise ValueError(
+                f"think_time must be >= 0 and step_time > 0, got {config.think_time} and {config.step_time}"
+            )
         self.cache = cache
         self.config = config
         self.ps = config.page_size
@@ -189,6 +209,11 @@ class Replay:
         # ``result.closed`` when the head of the queue last closed its sequence unadmitted.
         self._let_go_at = -1
         self._on_request_done = on_request_done or (lambda n: None)
+        # Steps elapsed on the simulated clock, idle ones included, and the users thinking.
+        self._clock = 0
+        self._thinking: ThinkingUsers[_Client] | None = None
+        if config.think_time > 0:
+            self._thinking = ThinkingUsers(ThinkTime(config.think_time, config.seed), config.step_time)
 
     def run(self) -> ReplayResult:
         """Replay every conversation to the end; returns the measurements."""
@@ -196,7 +221,8 @@ class Replay:
         for _ in range(self.config.clients):
             self._start_next_conversation()
         cache, res = self.cache, self.result
-        while self._queue or self._running:
+        while self._queue or self._running or self._thinking:
+            self._arrive()
             self._admit()
             res.steps += 1
             res.peak_running = max(res.peak_running, len(self._running))
@@ -206,11 +232,27 @@ class Replay:
             res.peak_locked_pages = max(res.peak_locked_pages, cache.num_pages - free - evictable)
             res.peak_used_pages = max(res.peak_used_pages, cache.num_pages - free)
             self._close_finished()
+            self._clock += 1
+        res.simulated_seconds = self._clock * self.config.step_time
         res.wall_seconds = time.perf_counter() - start
         res.stats = cache.stats
         return res
 
     # -- arrivals -----------------------------------------------------------------------------------
+
+    def _arrive(self) -> None:
+        """Users done thinking send their next turn; with nothing to run, the clock first jumps to
+        the next one."""
+        thinking = self._thinking
+        if not thinking:
+            return
+        if not self._queue and not self._running:
+            idle = thinking.next_step - self._clock
+            if idle > 0:
+                self.result.idle_steps += idle
+                self._clock += idle
+        for client in thinking.back(self._clock):
+            self._enqueue_turn(client)
 
     def _start_next_conversation(self) -> None:
         if self._unstarted:
@@ -240,12 +282,19 @@ class Replay:
         client.turn += 1
         remaining = client.conv.turns[client.turn :]
         if remaining and not client.cut:
-            self._enqueue_turn(client)
+            self._next_turn(client)
             return
         if remaining:
             self.result.conversations_cut += 1
             self._on_request_done(sum(len(t.replies) for t in remaining))
         self._start_next_conversation()
+
+    def _next_turn(self, client: _Client) -> None:
+        """The next turn of ``client``, whose turn ended this step: now, or after a think time."""
+        if self._thinking is None:
+            self._enqueue_turn(client)
+        else:
+            self._thinking.think(client, self._clock + 1)
 
     # -- admission ----------------------------------------------------------------------------------
 
