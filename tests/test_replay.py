@@ -7,6 +7,7 @@ import json
 import math
 import re
 from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -16,9 +17,10 @@ from prefix_cache.cache.prefix_cache import OutOfPages, PrefixCache
 from prefix_cache.cache.sequence import Sequence
 from prefix_cache.replay.clock import ThinkingUsers, ThinkTime
 from prefix_cache.replay.conversation import Conversation, Turn, cap_conversation, cap_reply
-from prefix_cache.replay.oracle import ROOT, UnlimitedPrefixIndex
+from prefix_cache.replay.oracle import ROOT, UnlimitedPrefixIndex, working_set_pages
+from prefix_cache.replay.report import format_tier_table
 from prefix_cache.replay.sharegpt import iter_records, message_pairs
-from prefix_cache.replay.simulator import Replay, SchedulerConfig, replay
+from prefix_cache.replay.simulator import Replay, ReplayResult, SchedulerConfig, has_host_tier, replay
 from prefix_cache.replay.synthetic import SyntheticConfig, synthetic_conversations
 
 SMALL = SyntheticConfig(
@@ -253,6 +255,219 @@ def test_thinking_users_come_back_at_the_first_step_after_their_think_time():
         ThinkingUsers(ThinkTime(1.0), step_time=0)
 
 
+# -- the host tier ---------------------------------------------------------------------------------
+
+#: Counters of the scheduler on SMALL before the clock and the host tier, by pool size: cached
+#: tokens, steps, evicted pages, peak used and peak locked pages.
+BEFORE = {60: (23184, 584, 396, 60, 57), 100_000: (23392, 569, 0, 442, 63)}
+
+
+def test_working_set_is_what_a_cache_that_never_evicts_ends_up_holding():
+    conversations = synthetic_conversations(SMALL)
+    cache = PrefixCache(num_pages=100_000, page_size=16)
+    replayer = Replay(cache, conversations, SchedulerConfig(num_pages=100_000, max_running=8, clients=6))
+    res = replayer.run()
+    assert res.stats.evicted_pages == 0 and res.skipped_requests == res.cut_replies == 0
+    pages = working_set_pages(conversations, 16)
+    assert pages == replayer.oracle.num_pages == cache.num_cached_pages
+    assert working_set_pages(conversations, 1) > 16 * pages - len(conversations) * 16
+
+
+def test_no_host_tier_changes_nothing():
+    conversations = synthetic_conversations(SMALL)
+    for pages, expected in BEFORE.items():
+        config = SchedulerConfig(num_pages=pages, max_running=8, clients=6, host_pages=0)
+        _, res = replay(conversations, config)
+        got = (res.cached_tokens, res.steps, res.stats.evicted_pages, res.peak_used_pages)
+        assert (*got, res.peak_locked_pages) == expected
+        assert res.host_cached_tokens == res.saved_pages == res.loaded_pages == res.transfer_ns == 0
+        assert res.gpu_hit_rate == res.hit_rate and res.host_hit_rate == 0
+
+
+class HostTierStandIn(PrefixCache):
+    """Today's cache posing as one with a host tier, to check the replay's side of the protocol.
+
+    Of every prefix ``open`` finds of 2 pages or more, the last page counts as found on the host
+    (it is on the GPU really) and loads with the next batch of transfers. Allocating or committing
+    for a sequence whose loads are not done fails the test, as does a batch left undone. The
+    prefill of every ``fail_prefill``-th loaded sequence raises ``OutOfPages`` (0: none).
+    """
+
+    def __init__(self, num_pages: int, page_size: int = 16, *, host_pages: int = 0, fail_prefill: int = 0):
+        super().__init__(num_pages, page_size, record_events=False)
+        self.loading: dict[Sequence, int] = {}  # sequence -> tokens loading
+        self.queued: list[Sequence] = []  # loads not yet taken
+        self.loaded: set[Sequence] = set()  # loads done, prefill not yet allocated
+        self.undone = None
+        self.takes = self.prefills = 0
+        self.fail_prefill = fail_prefill
+
+    def open(self, tokens, *args, **kwargs):
+        seq = super().open(tokens, *args, **kwargs)
+        if seq.num_cached_tokens >= 2 * self.page_size:
+            self.loading[seq] = self.page_size
+            self.queued.append(seq)
+        return seq
+
+    def allocate(self, seq: Sequence, num_tokens: int) -> None:
+        assert seq not in self.loading, "allocate for a sequence still loading"
+        if seq in self.loaded:
+            self.loaded.discard(seq)
+            self.prefills += 1
+            if self.fail_prefill and self.prefills % self.fail_prefill == 0:
+                raise OutOfPages(num_tokens, 0)
+        super().allocate(seq, num_tokens)
+
+    def commit(self, seq: Sequence, tokens: object) -> None:
+        assert seq not in self.loading, "commit for a sequence still loading"
+        super().commit(seq, tokens)
+
+    def close(self, seq: Sequence) -> None:
+        self.loading.pop(seq, None)
+        self.loaded.discard(seq)
+        if seq in self.queued:
+            self.queued.remove(seq)
+        super().close(seq)
+
+    def take_transfers(self):
+        assert self.undone is None, "a batch was taken before the previous one was done"
+        self.takes += 1
+        if not self.queued:
+            return None
+        loads = np.zeros((len(self.queued), 2), dtype=np.int32)
+        self.undone = SimpleNamespace(saves=np.zeros((0, 2), dtype=np.int32), loads=loads, seqs=self.queued)
+        self.queued = []
+        return self.undone
+
+    def transfers_done(self, batch, ok: bool = True) -> None:
+        assert batch is self.undone and ok
+        for seq in batch.seqs:
+            if self.loading.pop(seq, None):
+                self.loaded.add(seq)
+        self.undone = None
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    """``Sequence.num_loading_tokens`` as :class:`HostTierStandIn` keeps it."""
+
+    def loading(seq: Sequence) -> int:
+        owner = seq._owner
+        return owner.loading.get(seq, 0) if isinstance(owner, HostTierStandIn) else 0
+
+    monkeypatch.setattr(Sequence, "num_loading_tokens", property(loading), raising=False)
+    return HostTierStandIn
+
+
+#: SMALL with one sample a turn: the samples of a prompt share no hit on its new part while the first
+#: waits for its loads, which would blur what the tests below compare.
+ONE_SAMPLE = replace(SMALL, samples=1)
+
+
+def test_requests_loading_from_the_host_prefill_a_step_later(stand_in):
+    conversations = synthetic_conversations(ONE_SAMPLE)
+    config = SchedulerConfig(num_pages=60, max_running=8, clients=6, think_time=1.0, host_pages=120)
+    _, gpu_only = replay(conversations, replace(config, host_pages=0))
+    cache = stand_in(60, 16, host_pages=120)
+    _, res = replay(conversations, config, cache=cache)
+    assert res.requests == gpu_only.requests and res.skipped_requests == res.cut_replies == 0
+    assert cache.takes == res.steps and cache.undone is None  # one batch a step, each done at once
+    assert res.host_cached_tokens > 0 and res.host_cached_tokens == 16 * res.loaded_pages
+    assert res.hit_rate == pytest.approx(res.gpu_hit_rate + res.host_hit_rate)
+    assert res.saved_pages == 0 and res.transfer_ns > 0
+    # The stand-in's hits are the GPU's: only the step each loading request waits moves them.
+    assert res.hit_rate == pytest.approx(gpu_only.hit_rate, abs=0.02)
+    assert res.steps > gpu_only.steps
+    _check_no_leak(cache)
+
+
+def test_a_loaded_request_whose_prefill_finds_no_pages_is_cut(stand_in):
+    conversations = synthetic_conversations(ONE_SAMPLE)
+    config = SchedulerConfig(num_pages=60, max_running=8, clients=6, host_pages=120)
+    cache = stand_in(60, 16, host_pages=120, fail_prefill=5)
+    done = []
+    res = Replay(cache, conversations, config, done.append).run()
+    # A head whose loads were made while it waited prefills at admission: a failure there keeps it
+    # waiting. The others were admitted while loading and are cut.
+    assert 0 < res.cut_replies <= cache.prefills // 5 and res.conversations_cut > 0
+    assert res.closed == res.requests
+    assert sum(done) == sum(len(t.replies) for c in conversations for t in c.turns)
+    _check_no_leak(cache)
+
+
+needs_host_tier = pytest.mark.skipif(not has_host_tier(), reason="PrefixCache takes no host_pages yet")
+
+
+@needs_host_tier
+def test_a_host_tier_recovers_hits_between_the_gpu_pool_and_unlimited_pages():
+    conversations = synthetic_conversations(ONE_SAMPLE)
+    config = SchedulerConfig(num_pages=60, max_running=8, clients=6, think_time=1.0)
+    _, gpu_only = replay(conversations, config)
+    cache, tier = replay(conversations, replace(config, host_pages=120))
+    unlimited_pages = working_set_pages(conversations, 16) + 60
+    _, unlimited = replay(conversations, replace(config, host_pages=unlimited_pages))
+    for res in (tier, unlimited):
+        assert res.requests == gpu_only.requests and res.skipped_requests == res.cut_replies == 0
+        assert res.host_cached_tokens > 0 and res.saved_pages > 0 and res.loaded_pages > 0
+        assert res.stats.host_hit_tokens >= res.host_cached_tokens
+        assert res.stats.hit_tokens >= res.cached_tokens
+    assert gpu_only.hit_rate <= tier.hit_rate <= unlimited.hit_rate
+    assert unlimited.cached_tokens <= unlimited.best_cached_tokens
+    assert unlimited.hit_rate > gpu_only.hit_rate
+    _check_no_leak(cache)
+
+
+@needs_host_tier
+def test_cli_prints_one_row_per_host_pool(capsys):
+    argv = [*TINY, "--conversations", "20", "--gpu-pool", "0.25", "--think-time", "1", "--host-pool"]
+    assert main([*argv, "0,2,unlimited"]) == 0
+    out = capsys.readouterr().out
+    labels = (["off"], ["2x"], ["unlimited"])
+    rows = [line.split()[0] for line in out.splitlines() if line.split()[:1] in labels]
+    assert rows == ["off", "2x", "unlimited"] and "of unlimited" in out
+    assert main([*argv, "2"]) == 0
+    out = capsys.readouterr().out
+    assert "host tier" in out and "+ host" in out
+
+
+@pytest.mark.skipif(has_host_tier(), reason="PrefixCache has a host tier")
+def test_cli_refuses_a_host_pool_without_a_host_tier(capsys):
+    line = _option_error(capsys, [*TINY, "--host-pool", "0,2"])
+    assert line.endswith("argument --host-pool: this version of PrefixCache has no host tier (host_pages)")
+
+
+def test_cli_refuses_a_host_pool_behind_a_router(capsys):
+    line = _option_error(capsys, [*TINY, "--host-pool", "2", "--replicas", "2"])
+    assert line.endswith("argument --host-pool: only with --replicas 1")
+    with pytest.raises(ValueError, match="host_pages"):
+        from prefix_cache.replay.cluster import replay_cluster
+
+        replay_cluster(synthetic_conversations(SMALL), SchedulerConfig(host_pages=1), 2, "prefix")
+
+
+def test_cli_without_a_host_tier_prints_rows_too(capsys):
+    assert main([*TINY, "--host-pool", "0,0"]) == 0
+    out = capsys.readouterr().out
+    assert [line.split()[0] for line in out.splitlines() if line.startswith("off ")] == ["off", "off"]
+    assert "of unlimited" not in out and "working set" in out
+
+
+def test_tier_table_compares_each_row_with_the_unlimited_one():
+    config = SchedulerConfig(num_pages=100)
+    runs = []
+    sizes = (("off", 0, 400, 0), ("4x", 400, 760, 300), ("unlimited", 900, 800, 340))
+    for label, pages, cached, host in sizes:
+        res = ReplayResult(requests=10, prompt_tokens=1000, cached_tokens=cached, host_cached_tokens=host)
+        runs.append((label, replace(config, host_pages=pages), res))
+    table = format_tier_table(SimpleNamespace(name="w", conversations=[1, 2]), runs, working_set=400)
+    labels = [[label] for label, *_ in sizes]
+    rows = {line.split()[0]: line.split() for line in table.splitlines() if line.split()[:1] in labels}
+    assert rows["off"][1:6] == ["0", "40.00%", "40.00%", "0.00%", "50.0%"]
+    assert rows["4x"][1:6] == ["400", "76.00%", "46.00%", "30.00%", "95.0%"]
+    assert rows["unlimited"][5] == "100.0%"
+    assert "100 pages x 16 tokens (25% of the workload's working set of 400 pages)" in table
+
+
 # -- ShareGPT reader -------------------------------------------------------------------------------
 
 RECORDS = [
@@ -449,6 +664,9 @@ def _option_error(capsys, argv: list[str]) -> str:
     return errors[0]
 
 
+HOST_POOLS = "must be numbers in 0..64 or 'unlimited', separated by commas"
+
+
 @pytest.mark.parametrize(
     ("option", "value", "expected"),
     [
@@ -485,6 +703,13 @@ def _option_error(capsys, argv: list[str]) -> str:
         ("--step-time", "0", "argument --step-time: must be in 0.001..10, got 0"),
         ("--step-time", "11", "argument --step-time: must be in 0.001..10, got 11"),
         ("--step-time", "inf", "argument --step-time: must be in 0.001..10, got inf"),
+        ("--gpu-pool", "0", "argument --gpu-pool: must be in 0.01..4, got 0"),
+        ("--gpu-pool", "4.5", "argument --gpu-pool: must be in 0.01..4, got 4.5"),
+        ("--host-pool", "3x", f"argument --host-pool: {HOST_POOLS}, got '3x'"),
+        ("--host-pool", "0,65", f"argument --host-pool: {HOST_POOLS}, got '0,65'"),
+        ("--host-pool", "-1", f"argument --host-pool: {HOST_POOLS}, got '-1'"),
+        ("--host-pool", "nan", f"argument --host-pool: {HOST_POOLS}, got 'nan'"),
+        ("--host-pool", "2,,4", f"argument --host-pool: {HOST_POOLS}, got '2,,4'"),
         ("--tokenizer", "tokenizer.json", "argument --tokenizer: only --workload sharegpt reads a tokenizer"),
     ],
 )
@@ -500,6 +725,30 @@ def test_cli_refuses_a_pool_that_holds_no_request_and_accepts_the_least_that_doe
     assert main([*TINY, "--num-pages", str(least)]) == 0
     admitted = int(re.search(r"requests +([\d,]+) admitted", capsys.readouterr().out).group(1))
     assert admitted > 0
+
+
+def test_cli_sizes_the_pool_against_the_working_set(capsys):
+    line = _option_error(capsys, [*TINY, "--num-pages", "64", "--gpu-pool", "0.5"])
+    assert line.endswith("argument --gpu-pool: not allowed with argument --num-pages")
+    line = _option_error(capsys, [*TINY, "--gpu-pool", "0.01"])
+    assert re.search(
+        r"argument --gpu-pool: must give at least \d+ pages for this workload .*, got 0.01 \(", line
+    )
+    assert main([*TINY, "--gpu-pool", "0.5"]) == 0
+    engine = re.search(
+        r"engine +([\d,]+) pages x 16 tokens \(\d+% of the workload's working set of ([\d,]+) pages",
+        capsys.readouterr().out,
+    )
+    pages, working_set = (int(n.replace(",", "")) for n in engine.groups())
+    assert pages == math.ceil(working_set / 2)
+
+
+def test_cli_refuses_a_working_set_fraction_past_the_largest_pool(capsys, monkeypatch):
+    import prefix_cache.__main__ as cli
+
+    monkeypatch.setattr(cli, "MAX_PAGES", 40)
+    line = _option_error(capsys, [*TINY, "--gpu-pool", "1"])
+    assert re.search(r"argument --gpu-pool: 1 gives \d+ pages, over 40$", line)
 
 
 def test_cli_refuses_caps_that_leave_nothing_to_replay(capsys):

@@ -260,6 +260,8 @@ def replay_cluster(
     ``max_running``, behind ``router``; ``config.clients`` users in all."""
     if not isinstance(replicas, int) or isinstance(replicas, bool) or not 1 <= replicas <= MAX_REPLICAS:
         raise ValueError(f"replicas must be an int in [1, {MAX_REPLICAS}], got {replicas!r}")
+    if config.host_pages:
+        raise ValueError(f"host_pages must be 0 behind a router (one engine only), got {config.host_pages}")
     return _Cluster(conversations, config, replicas, router, on_request_done).run()
 
 

@@ -8,7 +8,11 @@ equal keys mean equal token prefixes, with no hash collisions to reason about. I
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
+
+from prefix_cache.replay.conversation import Conversation
 
 ROOT = 0
 
@@ -55,3 +59,21 @@ class UnlimitedPrefixIndex:
         for begin in range(start, len(tokens) - ps + 1, ps):
             node = self.extend(node, tokens[begin : begin + ps])
         return node
+
+
+def working_set_pages(conversations: Iterable[Conversation], page_size: int) -> int:
+    """The workload's working set, in pages of ``page_size`` tokens: the distinct full pages of
+    every request's prompt and reply (every sample's), that is the pages a cache that never evicts
+    holds at the end of a replay in which no request was skipped or cut. It depends on the workload
+    alone, not on the pool or the request order."""
+    index = UnlimitedPrefixIndex(page_size)
+    for conv in conversations:
+        context = conv.prefix
+        for turn in conv.turns:
+            prompt = np.concatenate([context, turn.user])
+            node = index.extend_all(ROOT, prompt, 0)
+            start = len(prompt) // page_size * page_size
+            for reply in turn.replies:
+                index.extend_all(node, np.concatenate([prompt[start:], reply]), 0)
+            context = np.concatenate([prompt, turn.replies[0]])
+    return index.num_pages

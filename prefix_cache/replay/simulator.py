@@ -17,6 +17,11 @@ Model of the engine:
   evictable pages the running requests count on, it closes again and reopens after the next
   request finishes. A head that cannot fit even with nothing running is skipped and its
   conversation ends there; nothing can deadlock.
+- With a host tier (``host_pages > 0``), GPU eviction moves cached pages to host pages and ``open``
+  also finds a prefix there: it gives the sequence GPU pages for that part and queues their loads.
+  Each step ends with one ``take_transfers`` whose copies are done at once (``transfers_done``):
+  data movement is not simulated, only the bookkeeping. A request whose prefix is loading holds its
+  pages and a running slot from admission, and prefills at the next step, once the loads are done.
 - Alongside, :class:`UnlimitedPrefixIndex` sees the same opens and commits and gives the hits of a
   cache with unlimited pages: the best possible hit rate for this request order.
 
@@ -27,6 +32,7 @@ the loop itself adds about 0.1 µs per request.
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections import deque
 from collections.abc import Callable
@@ -52,7 +58,7 @@ class SchedulerConfig:
     turn, exponentially distributed (:class:`prefix_cache.replay.clock.ThinkTime`); 0 for none, the
     next turn arriving as the previous one ends. ``step_time``: simulated seconds per engine step,
     whatever it computes (20 ms: a decode step of a few dozen requests on an 8B model). ``seed``
-    seeds the think times.
+    seeds the think times. ``host_pages``: pages of the cache's host tier, 0 for none.
     """
 
     num_pages: int = 16384
@@ -62,6 +68,7 @@ class SchedulerConfig:
     think_time: float = 0.0
     step_time: float = 0.02
     seed: int = 0
+    host_pages: int = 0
 
 
 @dataclass
@@ -72,13 +79,16 @@ class ReplayResult:
     same with unlimited pages. ``skipped_requests`` could not fit in the pool even alone;
     ``cut_replies`` ran out of pages mid-decode (not expected: admission reserves their pages).
     ``steps`` counts the steps the engine ran, ``idle_steps`` those the simulated clock skipped
-    while every user was thinking; ``simulated_seconds`` is the clock at the end.
+    while every user was thinking; ``simulated_seconds`` is the clock at the end. With a host tier,
+    ``host_cached_tokens`` is the part of ``cached_tokens`` found on the host (loaded), and
+    ``saved_pages`` / ``loaded_pages`` count the copies of the transfer batches.
     """
 
     conversations: int = 0
     requests: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    host_cached_tokens: int = 0
     best_cached_tokens: int = 0
     decode_tokens: int = 0
     steps: int = 0
@@ -94,6 +104,9 @@ class ReplayResult:
     prefill_ns: int = 0
     decode_ns: int = 0
     close_ns: int = 0
+    transfer_ns: int = 0
+    saved_pages: int = 0
+    loaded_pages: int = 0
     closed: int = 0
     wall_seconds: float = 0.0
     stats: CacheStats | None = field(default=None, repr=False)
@@ -102,6 +115,16 @@ class ReplayResult:
     def hit_rate(self) -> float:
         """Cached share of prompt tokens."""
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def gpu_hit_rate(self) -> float:
+        """Share of prompt tokens found on the GPU."""
+        return self.hit_rate - self.host_hit_rate
+
+    @property
+    def host_hit_rate(self) -> float:
+        """Share of prompt tokens found on the host tier and loaded."""
+        return self.host_cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     @property
     def best_hit_rate(self) -> float:
@@ -135,6 +158,11 @@ class ReplayResult:
         """Microseconds in ``close`` per finished request."""
         return self.close_ns / 1e3 / self.closed if self.closed else 0.0
 
+    @property
+    def transfer_us(self) -> float:
+        """Microseconds per step in ``take_transfers`` + ``transfers_done`` (host tier only)."""
+        return self.transfer_ns / 1e3 / self.steps if self.steps else 0.0
+
 
 class _Request:
     """One request: a prompt and the reply it decodes. ``pos`` counts reply tokens committed."""
@@ -142,6 +170,7 @@ class _Request:
     __slots__ = (
         "best_hit",
         "client",
+        "host_hit",
         "last_page",
         "pos",
         "prompt",
@@ -164,6 +193,8 @@ class _Request:
         # Unlimited-pages hit and the page it ends at (see UnlimitedPrefixIndex), set at open.
         self.best_hit = 0
         self.last_page = ROOT
+        # Prompt tokens its ``open`` found on the host tier, to be loaded.
+        self.host_hit = 0
 
 
 class _Client:
@@ -206,6 +237,9 @@ class Replay:
         self._unstarted = deque(conversations)
         self._queue: deque[_Request] = deque()
         self._running: list[_Request] = []
+        # With a host tier: admitted requests whose prefix loads during this step.
+        self._tiered = config.host_pages > 0
+        self._loading: list[_Request] = []
         # ``result.closed`` when the head of the queue last closed its sequence unadmitted.
         self._let_go_at = -1
         self._on_request_done = on_request_done or (lambda n: None)
@@ -221,7 +255,7 @@ class Replay:
         for _ in range(self.config.clients):
             self._start_next_conversation()
         cache, res = self.cache, self.result
-        while self._queue or self._running or self._thinking:
+        while self._queue or self._running or self._loading or self._thinking:
             self._arrive()
             self._admit()
             res.steps += 1
@@ -232,6 +266,8 @@ class Replay:
             res.peak_locked_pages = max(res.peak_locked_pages, cache.num_pages - free - evictable)
             res.peak_used_pages = max(res.peak_used_pages, cache.num_pages - free)
             self._close_finished()
+            if self._tiered:
+                self._transfer()
             self._clock += 1
         res.simulated_seconds = self._clock * self.config.step_time
         res.wall_seconds = time.perf_counter() - start
@@ -246,7 +282,7 @@ class Replay:
         thinking = self._thinking
         if not thinking:
             return
-        if not self._queue and not self._running:
+        if not self._queue and not self._running and not self._loading:
             idle = thinking.next_step - self._clock
             if idle > 0:
                 self.result.idle_steps += idle
@@ -302,13 +338,21 @@ class Replay:
         return -(-tokens // self.ps)
 
     def _reserved_pages(self) -> int:
-        """Pages the running requests may still allocate until their replies are complete."""
+        """Pages the running and loading requests may still allocate until their replies are
+        complete."""
         ps = self.ps
-        return sum(-(-len(r.tokens) // ps) - -(-(len(r.prompt) + r.pos) // ps) for r in self._running)
+        reserved = sum(-(-len(r.tokens) // ps) - -(-(len(r.prompt) + r.pos) // ps) for r in self._running)
+        if self._loading:
+            reserved += sum(
+                -(-len(r.tokens) // ps) - -(-r.seq.num_allocated_tokens // ps) for r in self._loading
+            )
+        return reserved
 
     def _admit(self) -> None:
         cache, res = self.cache, self.result
-        while self._queue and len(self._running) < self.config.max_running:
+        if self._loading:
+            self._prefill_loaded()
+        while self._queue and len(self._running) + len(self._loading) < self.config.max_running:
             req = self._queue[0]
             if req.seq is None:
                 if res.closed == self._let_go_at:
@@ -316,6 +360,8 @@ class Replay:
                 t0 = time.perf_counter_ns()
                 req.seq = cache.open(req.prompt)
                 res.open_ns += time.perf_counter_ns() - t0
+                if self._tiered:
+                    req.host_hit = req.seq.num_loading_tokens
                 req.best_hit, req.last_page = self.oracle.match(req.prompt)
                 if cache.num_free_pages + cache.num_evictable_pages < self._reserved_pages():
                     # Its prefix locked evictable pages that running requests count on: let go
@@ -328,30 +374,53 @@ class Replay:
                     return
             cached = req.seq.num_cached_tokens
             needed = self._pages(len(req.tokens)) - cached // self.ps + self._reserved_pages()
+            # A prefix still loading (the head may have waited while its loads were made) is
+            # prefilled at the next step.
+            loading = self._tiered and req.seq.num_loading_tokens > 0
             if cache.num_free_pages + cache.num_evictable_pages >= needed:
-                t0 = time.perf_counter_ns()
-                try:
-                    cache.allocate(req.seq, len(req.prompt) - cached)
-                    cache.commit(req.seq, req.prompt[cached:])
-                    admitted = True
-                except OutOfPages:
-                    admitted = False
-                res.prefill_ns += time.perf_counter_ns() - t0
+                admitted = loading or self._prefill(req)
             else:
                 admitted = False
             if not admitted:
-                if self._running:
+                if self._running or self._loading:
                     return  # FCFS: the head waits for running requests to free pages
                 self._skip(req)
                 continue
             self._queue.popleft()
-            self._running.append(req)
+            (self._loading if loading else self._running).append(req)
             req.reply_ids = req.reply.tolist()
             res.requests += 1
             res.prompt_tokens += len(req.prompt)
             res.cached_tokens += cached
+            res.host_cached_tokens += req.host_hit
             res.best_cached_tokens += req.best_hit
             req.last_page = self.oracle.extend_all(req.last_page, req.prompt, req.best_hit)
+
+    def _prefill(self, req: _Request) -> bool:
+        """``allocate`` and ``commit`` the uncached prompt tokens of ``req``; False if the pool ran
+        out of pages (nothing allocated)."""
+        cache = self.cache
+        cached = req.seq.num_cached_tokens
+        t0 = time.perf_counter_ns()
+        try:
+            cache.allocate(req.seq, len(req.prompt) - cached)
+            cache.commit(req.seq, req.prompt[cached:])
+            done = True
+        except OutOfPages:
+            done = False
+        self.result.prefill_ns += time.perf_counter_ns() - t0
+        return done
+
+    def _prefill_loaded(self) -> None:
+        """The requests whose prefix was loaded from the host tier last step start running."""
+        loaded, self._loading = self._loading, []
+        for req in loaded:
+            if self._prefill(req):
+                self._running.append(req)
+            else:
+                # Not expected (admission reserved its pages): the reply is cut before it starts.
+                self.result.cut_replies += 1
+                self._close(req, completed=False)
 
     def _skip(self, req: _Request) -> None:
         """Drop a request that cannot fit even in an idle pool."""
@@ -409,6 +478,26 @@ class Replay:
         self.result.closed += 1
         self._finish(req, completed)
 
+    # -- host tier ----------------------------------------------------------------------------------
+
+    def _transfer(self) -> None:
+        """The copies the cache asks for this step, made at once: saves of GPU-evicted pages to
+        the host, loads of host prefixes into the pages of the requests now loading."""
+        cache, res = self.cache, self.result
+        t0 = time.perf_counter_ns()
+        batch = cache.take_transfers()
+        if batch is not None:
+            cache.transfers_done(batch)
+        res.transfer_ns += time.perf_counter_ns() - t0
+        if batch is not None:
+            res.saved_pages += len(batch.saves)
+            res.loaded_pages += len(batch.loads)
+
+
+def has_host_tier() -> bool:
+    """Whether this version of :class:`PrefixCache` takes ``host_pages`` (a host tier)."""
+    return "host_pages" in inspect.signature(PrefixCache).parameters
+
 
 def replay(
     conversations: list[Conversation],
@@ -416,14 +505,16 @@ def replay(
     cache: PrefixCache | None = None,
     progress: bool = False,
 ) -> tuple[PrefixCache, ReplayResult]:
-    """Replay ``conversations`` through ``cache`` (a new one sized by ``config`` if None).
+    """Replay ``conversations`` through ``cache`` (a new one sized by ``config`` if None, with
+    ``config.host_pages`` host pages; a given cache must have them).
 
     ``progress`` shows a progress bar of requests on stderr (tqdm, the ``replay`` extra). Returns the
     cache, in its final state, and the measurements.
     """
     if cache is None:
         # Nobody drains events here: recording them would only pile them up.
-        cache = PrefixCache(num_pages=config.num_pages, page_size=config.page_size, record_events=False)
+        tier = {"host_pages": config.host_pages} if config.host_pages else {}
+        cache = PrefixCache(config.num_pages, config.page_size, record_events=False, **tier)
     total = sum(len(t.replies) for conv in conversations for t in conv.turns)
     if not progress:
         return cache, Replay(cache, conversations, config).run()
