@@ -427,7 +427,7 @@ def test_cli_prints_one_row_per_host_pool(capsys):
     assert rows == ["off", "2x", "unlimited"] and "of unlimited" in out
     assert main([*argv, "2"]) == 0
     out = capsys.readouterr().out
-    assert "host tier" in out and "+ host" in out
+    assert "host tier" in out and "= GPU" in out and "+ host" in out
 
 
 @pytest.mark.skipif(has_host_tier(), reason="PrefixCache has a host tier")

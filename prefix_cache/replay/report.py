@@ -15,7 +15,7 @@ def format_report(workload: Workload, config: SchedulerConfig, res: ReplayResult
     evicted = res.stats.evicted_pages if res.stats is not None else 0
     hit_rate = f"{res.hit_rate:.2%}"
     if config.host_pages:
-        hit_rate += f" (GPU {res.gpu_hit_rate:.2%} + host {res.host_hit_rate:.2%})"
+        hit_rate += f" = GPU {res.gpu_hit_rate:.2%} + host {res.host_hit_rate:.2%}"
     rows = [
         (
             "workload",
@@ -73,7 +73,7 @@ def format_tier_table(
         f"workload      {workload.name}: {len(workload.conversations):,} conversations, "
         f"{first.requests:,} requests, {first.prompt_tokens:,} prompt tokens",
         f"engine        {_engine(first_config, working_set)}",
-        f"clock         {_clock(first_config, first)}",
+        f"clock         first row: {_clock(first_config, first)}",
         f"best possible {first.best_hit_rate:.2%} hit rate (unlimited GPU pages, first row's request order)",
         "",
     ]
