@@ -22,7 +22,7 @@ from dataclasses import replace
 
 from prefix_cache.replay.conversation import Workload
 from prefix_cache.replay.routing import MAX_REPLICAS, ROUTERS
-from prefix_cache.replay.simulator import ReplayResult, SchedulerConfig, has_host_tier, replay
+from prefix_cache.replay.simulator import ReplayResult, SchedulerConfig, replay
 from prefix_cache.replay.synthetic import SyntheticConfig
 
 #: Tokens per page: the sizes the attention kernels are built and tested for (docs/attention.md).
@@ -296,13 +296,9 @@ def _workload(args: argparse.Namespace, progress: bool) -> Workload:
 
 
 def _check_host_pool(args: argparse.Namespace) -> None:
-    """End the run if a host tier is asked for where there can be none."""
-    if all(pool == 0 for pool in args.host_pool):
-        return
-    if args.replicas > 1:
+    """End the run if a host tier is asked for behind a router (the cluster replay has none)."""
+    if args.replicas > 1 and any(pool != 0 for pool in args.host_pool):
         args.fail("argument --host-pool: only with --replicas 1")
-    if not has_host_tier():
-        args.fail("argument --host-pool: this version of PrefixCache has no host tier (host_pages)")
 
 
 def _num_pages(args: argparse.Namespace, working_set: int | None) -> int:

@@ -20,7 +20,7 @@ from prefix_cache.replay.conversation import Conversation, Turn, cap_conversatio
 from prefix_cache.replay.oracle import ROOT, UnlimitedPrefixIndex, working_set_pages
 from prefix_cache.replay.report import format_tier_table
 from prefix_cache.replay.sharegpt import iter_records, message_pairs
-from prefix_cache.replay.simulator import Replay, ReplayResult, SchedulerConfig, has_host_tier, replay
+from prefix_cache.replay.simulator import Replay, ReplayResult, SchedulerConfig, replay
 from prefix_cache.replay.synthetic import SyntheticConfig, synthetic_conversations
 
 SMALL = SyntheticConfig(
@@ -285,7 +285,7 @@ def test_no_host_tier_changes_nothing():
 
 
 class HostTierStandIn(PrefixCache):
-    """Today's cache posing as one with a host tier, to check the replay's side of the protocol.
+    """A cache without a host tier posing as one, to check the replay's side of the protocol.
 
     Of every prefix ``open`` finds of 2 pages or more, the last page counts as found on the host
     (it is on the GPU really) and loads with the next batch of transfers. Allocating or committing
@@ -395,10 +395,6 @@ def test_a_loaded_request_whose_prefill_finds_no_pages_is_cut(stand_in):
     _check_no_leak(cache)
 
 
-needs_host_tier = pytest.mark.skipif(not has_host_tier(), reason="PrefixCache takes no host_pages yet")
-
-
-@needs_host_tier
 def test_a_host_tier_recovers_hits_between_the_gpu_pool_and_unlimited_pages():
     conversations = synthetic_conversations(ONE_SAMPLE)
     config = SchedulerConfig(num_pages=60, max_running=8, clients=6, think_time=1.0)
@@ -417,7 +413,6 @@ def test_a_host_tier_recovers_hits_between_the_gpu_pool_and_unlimited_pages():
     _check_no_leak(cache)
 
 
-@needs_host_tier
 def test_cli_prints_one_row_per_host_pool(capsys):
     argv = [*TINY, "--conversations", "20", "--gpu-pool", "0.25", "--think-time", "1", "--host-pool"]
     assert main([*argv, "0,2,unlimited"]) == 0
@@ -428,12 +423,6 @@ def test_cli_prints_one_row_per_host_pool(capsys):
     assert main([*argv, "2"]) == 0
     out = capsys.readouterr().out
     assert "host tier" in out and "= GPU" in out and "+ host" in out
-
-
-@pytest.mark.skipif(has_host_tier(), reason="PrefixCache has a host tier")
-def test_cli_refuses_a_host_pool_without_a_host_tier(capsys):
-    line = _option_error(capsys, [*TINY, "--host-pool", "0,2"])
-    assert line.endswith("argument --host-pool: this version of PrefixCache has no host tier (host_pages)")
 
 
 def test_cli_refuses_a_host_pool_behind_a_router(capsys):

@@ -32,7 +32,6 @@ the loop itself adds about 0.1 µs per request.
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections import deque
 from collections.abc import Callable
@@ -494,11 +493,6 @@ class Replay:
             res.loaded_pages += len(batch.loads)
 
 
-def has_host_tier() -> bool:
-    """Whether this version of :class:`PrefixCache` takes ``host_pages`` (a host tier)."""
-    return "host_pages" in inspect.signature(PrefixCache).parameters
-
-
 def replay(
     conversations: list[Conversation],
     config: SchedulerConfig,
@@ -513,8 +507,9 @@ def replay(
     """
     if cache is None:
         # Nobody drains events here: recording them would only pile them up.
-        tier = {"host_pages": config.host_pages} if config.host_pages else {}
-        cache = PrefixCache(config.num_pages, config.page_size, record_events=False, **tier)
+        cache = PrefixCache(
+            config.num_pages, config.page_size, record_events=False, host_pages=config.host_pages
+        )
     total = sum(len(t.replies) for conv in conversations for t in conv.turns)
     if not progress:
         return cache, Replay(cache, conversations, config).run()
