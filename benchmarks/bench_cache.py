@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import gc
 import io
 import json
@@ -76,7 +77,7 @@ def run_replays(
     for _ in range(repeats):
         gc.collect()
         cls = MatchingCache if peek else PrefixCache
-        cache = cls(config.num_pages, config.page_size, record_events=False)
+        cache = cls(config.num_pages, config.page_size, record_events=False, host_pages=config.host_pages)
         _, res = replay(conversations, config, cache=cache)
         runs.append((res, cache.match_ns / 1e3 / res.requests if peek else 0.0))
     return runs
@@ -251,6 +252,46 @@ def batch_decode_us(
 PEERS = ("prefix_cache", "sglang", "vllm", "prefix_cache1", "sglang1")
 
 
+def host_tier_rows(
+    conversations: list[Conversation], config: SchedulerConfig, host_pool: float, repeats: int, label: str
+) -> list[tuple[str, ...]]:
+    """The same replay with a host tier of ``host_pool`` GPU pools and without, alternating so
+    both see the same machine load: µs per call of each phase, on / off, and the hit rates."""
+    tiered = dataclasses.replace(config, host_pages=max(1, round(host_pool * config.num_pages)))
+    off: list[ReplayResult] = []
+    on: list[ReplayResult] = []
+    for _ in range(repeats):
+        off += [r for r, _ in run_replays(conversations, config, 1)]
+        on += [r for r, _ in run_replays(conversations, tiered, 1)]
+    rows = []
+    for name, metric, digits in (
+        ("admission, µs/request", "admit_us", 1),
+        ("decode, µs/request/step", "decode_us", 2),
+        ("close, µs/request", "close_us", 1),
+    ):
+        best_on = min(getattr(r, metric) for r in on)
+        best_off = min(getattr(r, metric) for r in off)
+        median = statistics.median(getattr(r, metric) for r in on)
+        median /= statistics.median(getattr(r, metric) for r in off)
+        rows.append(
+            (
+                label + f"host tier {host_pool:g}x vs none: {name}",
+                f"{best_on:.{digits}f} / {best_off:.{digits}f}",
+                f"{median:.2f}x",
+                f"best on / off {best_on / best_off:.2f}x (target ≤ 1.10x)",
+            )
+        )
+    rows.append(
+        (
+            label + f"host tier {host_pool:g}x vs none: hit rate",
+            f"{on[0].hit_rate:.2%} / {off[0].hit_rate:.2%}",
+            "",
+            f"{tiered.host_pages} host pages",
+        )
+    )
+    return rows
+
+
 def run_peers(harness: Path, python: str, num_pages: str, repeats: int) -> dict[str, dict]:
     """``repeats`` rounds of one ``replay.py`` run per peer of the harness in ``harness``
     (a harness that imports the peers' cache modules from their wheels, set up by its
@@ -355,6 +396,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--peers-python", default="/tmp/peers/venv/bin/python", help="the interpreter of the peers' setup.sh"
     )
+    parser.add_argument(
+        "--host-pool",
+        type=float,
+        default=0.0,
+        help="also replay with a host tier of this many GPU pools, 0..64 (default 0: not run), "
+        "side by side with the tier off, and report the cost of its bookkeeping",
+    )
     parser.add_argument("--profile", action="store_true", help="add a cProfile of one replay")
     parser.add_argument("--output", type=Path, default=RESULTS, help=f"results file (default {RESULTS})")
     args = parser.parse_args(argv)
@@ -364,6 +412,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError
     except ValueError:
         parser.error(f"argument --page-sizes: must be divisors of 16, got {args.page_sizes!r}")
+    if not 0 <= args.host_pool <= 64:
+        parser.error(f"argument --host-pool: must be in 0..64, got {args.host_pool}")
     info = machine()
 
     workload = sharegpt_workload(args.conversations)
@@ -443,6 +493,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"({ample.best_hit_rate:.2%})",
             ),
         ]
+        if args.host_pool:
+            rows += host_tier_rows(conversations, config, args.host_pool, args.repeats, p)
     header = ("metric", f"best of {args.repeats}", "median", "target / note")
     width = max(len(r[0]) for r in rows)
     table = "\n".join(f"{r[0]:<{width}}  {r[1]:>10}  {r[2]:>8}  {r[3]}" for r in [header, *rows])
