@@ -239,3 +239,102 @@ TierMachine.TestCase.settings = settings(
     max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=list(HealthCheck)
 )
 test_tiers = TierMachine.TestCase
+
+
+# ---------------------------------------------------------------------- single behaviours
+
+
+def evicted_to_host(host_pages: int = 16) -> tuple[PrefixCache, list[list[int]]]:
+    """A 6-page GPU pool (page 4) after three 9-token conversations, each moved to the host by
+    the next: returns the cache and the conversations, oldest first."""
+    cache = PrefixCache(6, 4, host_pages=host_pages)
+    chats = [[base + i for i in range(9)] for base in (10, 30, 50)]
+    for chat in [*chats, [70 + i for i in range(9)]]:
+        seq = cache.admit(chat, extra_tokens=7)
+        batch = cache.take_transfers()
+        if batch is not None:
+            cache.transfers_done(batch)
+        cache.commit(seq, chat)
+        cache.close(seq)
+    return cache, chats
+
+
+@pytest.mark.parametrize("value", [-1, 2**31, 1.5, True, "8"])
+def test_host_pages_out_of_range_is_refused(value) -> None:
+    with pytest.raises((TypeError, ValueError), match="host_pages"):
+        PrefixCache(8, 4, host_pages=value)
+
+
+def test_without_a_tier_nothing_is_transferred() -> None:
+    cache = PrefixCache(4, 4)
+    assert cache.take_transfers() is None and cache.num_host_pages == 0
+    with pytest.raises(ValueError, match="not in flight"):
+        cache.transfers_done(Transfers(np.empty((0, 2), np.int32), np.empty((0, 2), np.int32), 1))
+    with pytest.raises(TypeError, match="Transfers"):
+        cache.transfers_done(None)
+
+
+def test_a_run_evicted_from_the_gpu_comes_back_by_load() -> None:
+    cache, chats = evicted_to_host()
+    assert cache.match(chats[0]) == 0 and cache.match_tiers(chats[0]) == (0, 8)
+    seq = cache.admit(chats[0] + [1])
+    assert seq.num_cached_tokens == 8 and seq.num_loading_tokens == 8 and seq.num_tokens == 8
+    batch = cache.take_transfers()
+    assert batch.loads[:, 1].tolist() == seq.block_table[:2].tolist()
+    with pytest.raises(TypeError, match="ok must be a bool"):
+        cache.transfers_done(batch, ok=1)
+    cache.transfers_done(batch)
+    assert seq.num_loading_tokens == 0 and cache.match(chats[0]) == 8  # cached on the GPU again
+    assert cache.stats.host_hit_tokens == 8 and cache.stats.loaded_pages == 2
+    cache.close(seq)
+    cache.check_invariants()
+
+
+def test_a_full_host_tier_drops_its_oldest_run() -> None:
+    cache, chats = evicted_to_host(host_pages=2)
+    assert cache.match_tiers(chats[0]) == (0, 0)  # the oldest made room
+    assert cache.match_tiers(chats[1]) == (0, 8)
+    assert cache.stats.host_evicted_pages >= 2
+    cache.check_invariants()
+
+
+def test_a_failed_load_falls_back_to_the_gpu_prefix() -> None:
+    cache, chats = evicted_to_host()
+    seq = cache.admit(chats[1] + [1])
+    batch = cache.take_transfers()
+    cache.transfers_done(batch, ok=False)
+    assert seq.num_cached_tokens == 0 and seq.num_tokens == 0 and seq.num_loading_tokens == 0
+    assert seq.num_allocated_tokens == 10  # the pages stay, to be computed again
+    assert cache.stats.hit_tokens == 0
+    cache.commit(seq, chats[1] + [1])
+    cache.close(seq)
+    cache.check_invariants()
+
+
+def test_closing_a_loading_sequence_drops_its_loads_and_pins() -> None:
+    cache, chats = evicted_to_host()
+    seq = cache.admit(chats[1] + [1])
+    assert seq.num_loading_tokens == 8
+    cache.close(seq)
+    batch = cache.take_transfers()
+    assert batch is None or len(batch.loads) == 0
+    cache.check_invariants()
+    assert cache.match_tiers(chats[1]) == (0, 8)  # still on the host
+
+
+def test_a_run_split_before_its_save_is_taken_keeps_the_batch_whole() -> None:
+    """A sequence computes the first page of a run still waiting for its save: the run splits,
+    and the batch still pairs every saved GPU page with its host page."""
+    cache = PrefixCache(6, 2, host_pages=8)
+    early = cache.admit([1, 2, 8])  # will compute [1 2] itself
+    chat = [1, 2, 3, 4, 5, 6, 7]
+    seq = cache.admit(chat)
+    cache.commit(seq, chat)
+    cache.close(seq)  # pages [1 2] [3 4] [5 6] cached
+    assert cache.evict(3) == 3  # the run moves to the host, saves queued
+    cache.commit(early, [1, 2, 8])  # its page [1 2] takes the run's first page's place: a split
+    cache.close(early)
+    batch = cache.take_transfers()
+    assert batch.saves.shape == (3, 2)
+    cache.transfers_done(batch)
+    cache.check_invariants()

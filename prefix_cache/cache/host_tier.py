@@ -133,7 +133,8 @@ class HostTier:
                 node.pages = None
                 tree.num_host_nodes += 1
                 self.num_cached += size
-                self.saves.append((pages, host))
+                # A copy: a split of the run before the batch is taken cuts ``node.host`` in place.
+                self.saves.append((pages, array("i", host)))
                 if node.child is None and node.children is None:
                     self.push(node)
                 if events is not None:
