@@ -12,7 +12,7 @@ from test_kv_events_helpers import Engine
 from prefix_cache.cache.event_log import EventLog
 from prefix_cache.cache.events import AllBlocksCleared, BlockRemoved, BlockStored
 from prefix_cache.cache.prefix_cache import PrefixCache
-from prefix_cache.events.index import block_hashes
+from prefix_cache.events.index import BlockIndex, block_hashes
 
 TOKENS = np.array([1, 2, 3, 4], dtype=np.int32).tobytes()  # two pages of 2
 
@@ -94,7 +94,8 @@ def test_a_run_whose_tail_moved_to_the_host_resyncs_as_two_events() -> None:
 @pytest.mark.parametrize("seed", range(6))
 def test_resync_after_an_overflow_names_the_tier_of_each_block(seed: int) -> None:
     """``AllBlocksCleared`` then ``BlockStored`` for every block: host-only runs as "CPU", the rest
-    "GPU", one medium per event, each event after the one holding its parent."""
+    "GPU", one medium per event, each event after the one holding its parent. A router index fed
+    with it reports each prompt's GPU prefix and host part as the tree holds them."""
     rng = random.Random(seed)
     engine = Engine(seed=seed, num_pages=60)
     engine.cache = cache = PrefixCache(num_pages=60, page_size=4, max_events=1)
@@ -128,3 +129,17 @@ def test_resync_after_an_overflow_names_the_tier_of_each_block(seed: int) -> Non
         seen.update(event.block_hashes)
     # Host runs hang below GPU blocks, not only below the roots.
     assert any(event.medium == "CPU" and event.parent_block_hash not in moved | {None} for event in stored)
+
+    index = BlockIndex(num_replicas=1, page_size=4)
+    index.apply(0, events)
+    assert index.num_blocks(0) == len(keys)
+    for tokens, namespace in engine.probes(20):
+        chain = block_hashes(tokens, 4, namespace, num_pages=(len(tokens) - 1) // 4)
+        held = 0
+        while held < len(chain) and chain[held] in keys:
+            held += 1
+        gpu = 0
+        while gpu < held and chain[gpu] not in moved:
+            gpu += 1
+        assert index.match_tiers(tokens, namespace) == [(4 * gpu, 4 * (held - gpu))]
+        assert index.match(tokens, namespace) == [4 * held]
