@@ -91,8 +91,9 @@ BIG = (2**64 - 1).to_bytes(8, "big")
 TOKENS = b"\x94\x01\x02\xcd\x03\xe8\xce\x00\x01\x11\x70"  # [1, 2, 1000, 70000]
 
 
-def _golden(layout: str) -> bytes:
-    """The payload of ``GOLDEN_EVENTS`` at ts 1.5, rank 1, written out from the msgpack spec."""
+def _golden(layout: str, medium: str = "GPU") -> bytes:
+    """The payload of ``golden_events(medium)`` at ts 1.5, rank 1, written out from the msgpack
+    spec."""
     ts = b"\xcb" + bytes.fromhex("3ff8000000000000")  # float 64, 1.5
     if layout == "vllm":
         # 8 of the 16 keys BlockStored declares: msgspec gives such a struct a map16 header.
@@ -104,17 +105,17 @@ def _golden(layout: str) -> bytes:
                 _str("token_ids") + TOKENS,
                 _str("block_size") + b"\x02",
                 _str("lora_id") + b"\xc0",
-                _str("medium") + _str("GPU"),
+                _str("medium") + _str(medium),
                 _str("lora_name") + b"\xc0",
             )
         )
         removed = b"\x83" + _str("type") + _str("BlockRemoved") + _str("block_hashes") + b"\x91\x05"
-        removed += _str("medium") + _str("GPU")
+        removed += _str("medium") + _str(medium)
         cleared = b"\x81" + _str("type") + _str("AllBlocksCleared")
     else:
         stored = b"\x98" + _str("BlockStored") + b"\x92\x05\xcf" + BIG + b"\xc0" + TOKENS
-        stored += b"\x02\xc0" + _str("GPU") + b"\xc0"
-        removed = b"\x93" + _str("BlockRemoved") + b"\x91\x05" + _str("GPU")
+        stored += b"\x02\xc0" + _str(medium) + b"\xc0"
+        removed = b"\x93" + _str("BlockRemoved") + b"\x91\x05" + _str(medium)
         cleared = b"\x91" + _str("AllBlocksCleared")
     return b"\x93" + ts + b"\x93" + stored + removed + cleared + b"\x01"
 
@@ -126,16 +127,29 @@ GOLDEN_EVENTS = [
 ]
 
 
+def golden_events(medium: str) -> list:
+    """``GOLDEN_EVENTS`` with their blocks on ``medium``."""
+    return [
+        BlockStored([5, 2**64 - 1], None, [1, 2, 1000, 70000], 2, medium=medium),
+        BlockRemoved([5], medium=medium),
+        AllBlocksCleared(),
+    ]
+
+
+@pytest.mark.parametrize("medium", ["GPU", "CPU"])
 @pytest.mark.parametrize("layout", ["vllm", "array"])
-def test_payload_bytes_are_the_golden_bytes_and_the_schema_bytes(layout: str) -> None:
+def test_payload_bytes_are_the_golden_bytes_and_the_schema_bytes(layout: str, medium: str) -> None:
     """vllm: what vLLM 0.33's encoder writes for the same events (the batch an array, the events
-    maps tagged by "type", defaults left out); array: the older all-array form."""
-    ours = msgspec.msgpack.encode(to_wire(GOLDEN_EVENTS, 1.5, 1, layout))
-    assert ours == _golden(layout)
+    maps tagged by "type", defaults left out); array: the older all-array form. GPU events are the
+    default ones; host-tier events differ only in their ``medium`` string."""
+    events = GOLDEN_EVENTS if medium == "GPU" else golden_events(medium)
+    assert events == golden_events(medium)
+    ours = msgspec.msgpack.encode(to_wire(events, 1.5, 1, layout))
+    assert ours == _golden(layout, medium)
     view = vllm_view if layout == "vllm" else array_view
     schema = VllmKVEventBatch if layout == "vllm" else ArrayKVEventBatch
-    assert ours == msgspec.msgpack.encode(schema(1.5, [view(e) for e in GOLDEN_EVENTS], 1))
-    assert BatchDecoder().decode(ours) == (1.5, GOLDEN_EVENTS, 1)
+    assert ours == msgspec.msgpack.encode(schema(1.5, [view(e) for e in events], 1))
+    assert BatchDecoder().decode(ours) == (1.5, events, 1)
 
 
 def test_published_payload_is_the_encoding_of_the_batch() -> None:
@@ -181,16 +195,46 @@ def test_decoder_reads_what_vllm_engines_send() -> None:
             session_id="s",
         ),
         VllmBlockRemoved([digest], "GPU", group_idx=1),
+        VllmBlockRemoved([9], "CPU"),
+        VllmBlockStored([9], None, [5, 6], 2, None, None, None),  # a medium of nil: the GPU
+        VllmBlockRemoved([9], None),
     ]
     payload = msgspec.msgpack.encode(VllmKVEventBatch(3.0, events, 2))
     as_int = int.from_bytes(digest[-8:], "big")
     assert BatchDecoder().decode(payload) == (
         3.0,
-        [BlockStored([as_int, 9], as_int, [1, 2, 3, 4], 2), BlockRemoved([as_int])],
+        [
+            BlockStored([as_int, 9], as_int, [1, 2, 3, 4], 2, medium="CPU"),
+            BlockRemoved([as_int]),
+            BlockRemoved([9], medium="CPU"),
+            BlockStored([9], None, [5, 6], 2, medium="GPU"),
+            BlockRemoved([9], medium="GPU"),
+        ],
         2,
     )
     with pytest.raises(msgspec.ValidationError):
         BatchDecoder().decode(msgspec.msgpack.encode({"ts": 1.0, "events": [], "data_parallel_rank": 0}))
+
+
+@pytest.mark.parametrize("layout", ["vllm", "array"])
+def test_decoder_reads_a_missing_or_nil_medium_as_the_gpu(layout: str) -> None:
+    """An event without ``medium`` (an array cut after ``block_size``, a map without the key) or
+    with nil is a GPU one; any other medium is kept as sent."""
+    if layout == "vllm":
+        stored = {"type": "BlockStored", "block_hashes": [5], "parent_block_hash": None}
+        stored |= {"token_ids": [1, 2], "block_size": 2}
+        events = [stored, {"type": "BlockRemoved", "block_hashes": [5]}]
+        events += [stored | {"medium": None}, {"type": "BlockRemoved", "block_hashes": [5], "medium": "CPU"}]
+    else:
+        stored = ["BlockStored", [5], None, [1, 2], 2]
+        events = [stored, ["BlockRemoved", [5]], [*stored, None, None], ["BlockRemoved", [5], "CPU"]]
+    payload = msgspec.msgpack.encode([1.0, events, 0])
+    assert BatchDecoder().decode(payload)[1] == [
+        BlockStored([5], None, [1, 2], 2),
+        BlockRemoved([5]),
+        BlockStored([5], None, [1, 2], 2),
+        BlockRemoved([5], medium="CPU"),
+    ]
 
 
 def test_replay_from_the_middle_and_a_bounded_buffer() -> None:

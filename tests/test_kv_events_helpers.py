@@ -170,7 +170,7 @@ def replay_request(endpoint: str, start: int) -> list[list[bytes]]:
 
 
 def vllm_view(event: BlockStored | BlockRemoved | AllBlocksCleared) -> VllmEvent:
-    """The event as a vLLM 0.33 engine would have published it (GPU medium, no LoRA)."""
+    """The event as a vLLM 0.33 engine would have published it (its medium, no LoRA)."""
     if isinstance(event, BlockStored):
         extras = None if event.extra_keys is None else [None if e is None else (e,) for e in event.extra_keys]
         return VllmBlockStored(
@@ -179,12 +179,12 @@ def vllm_view(event: BlockStored | BlockRemoved | AllBlocksCleared) -> VllmEvent
             event.token_ids,
             event.block_size,
             None,
-            "GPU",
+            event.medium,
             None,
             extra_keys=extras,
         )
     if isinstance(event, BlockRemoved):
-        return VllmBlockRemoved(event.block_hashes, "GPU")
+        return VllmBlockRemoved(event.block_hashes, event.medium)
     return VllmAllBlocksCleared()
 
 
@@ -192,10 +192,16 @@ def array_view(event: BlockStored | BlockRemoved | AllBlocksCleared) -> ArrayEve
     """The event as an older vLLM engine published it, all arrays."""
     if isinstance(event, BlockStored):
         return ArrayBlockStored(
-            event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size, None, "GPU", None
+            event.block_hashes,
+            event.parent_block_hash,
+            event.token_ids,
+            event.block_size,
+            None,
+            event.medium,
+            None,
         )
     if isinstance(event, BlockRemoved):
-        return ArrayBlockRemoved(event.block_hashes, "GPU")
+        return ArrayBlockRemoved(event.block_hashes, event.medium)
     return ArrayAllBlocksCleared()
 
 

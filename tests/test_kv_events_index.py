@@ -306,8 +306,9 @@ def test_match_checks_its_arguments_whatever_the_index_holds() -> None:
 
 
 class IndexMachine(RuleBasedStateMachine):
-    """BlockIndex against a model: per replica, the set of keys its events leave it holding, the
-    events applied one at a time in order; batches mix stores, removals and clears."""
+    """BlockIndex against a model: per replica, each key's media as its events leave them, the
+    events applied one at a time in order; batches mix stores and removals on both tiers (and on a
+    medium the index does not follow), and clears."""
 
     PROMPTS = (
         [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12],
@@ -315,56 +316,137 @@ class IndexMachine(RuleBasedStateMachine):
         [1, 2, 3, 4, 30, 31, 32, 33, 34, 35, 36, 37],
         [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51],
     )
+    MEDIA = ("GPU", "CPU")
 
     def __init__(self) -> None:
         super().__init__()
         self.index = BlockIndex(num_replicas=3, page_size=4)
-        self.model: list[set[int]] = [set(), set(), set()]
+        self.model: list[dict[int, set[str]]] = [{}, {}, {}]
         self.keys = [block_hashes(p, 4) for p in self.PROMPTS]
 
     @rule(
         replica=st.integers(0, 2),
         batch=st.lists(
-            st.tuples(st.sampled_from(["store", "remove", "clear"]), st.integers(0, 3), st.integers(0, 2)),
+            st.tuples(
+                st.sampled_from(["store", "remove", "clear"]),
+                st.integers(0, 3),
+                st.integers(0, 2),
+                st.integers(1, 3),
+                st.sampled_from(["GPU", "GPU", "CPU", "CPU", "STORAGE"]),
+            ),
             max_size=6,
         ),
     )
-    def apply(self, replica: int, batch: list[tuple[str, int, int]]) -> None:
+    def apply(self, replica: int, batch: list[tuple[str, int, int, int, str]]) -> None:
         events = []
-        for kind, prompt, start in batch:
-            keys = self.keys[prompt]
+        held = self.model[replica]
+        for kind, prompt, start, stop, medium in batch:
+            keys = self.keys[prompt][start:stop]  # a run of the chain: either tier may hold any part
             if kind == "store":
-                events.append(BlockStored(keys, None, self.PROMPTS[prompt], 4))
-                self.model[replica] |= set(keys)
-            elif kind == "remove":  # a suffix of the chain: descendants go first
-                events.append(BlockRemoved(keys[start:]))
-                self.model[replica] -= set(keys[start:])
+                events.append(
+                    BlockStored(keys, None, self.PROMPTS[prompt][4 * start : 4 * stop], 4, medium=medium)
+                )
+                for key in keys:
+                    held.setdefault(key, set()).add(medium)
+            elif kind == "remove":
+                events.append(BlockRemoved(keys, medium=medium))
+                for key in keys:
+                    held.get(key, set()).discard(medium)
             else:
                 events.append(AllBlocksCleared())
-                self.model[replica] = set()
+                held.clear()
         self.index.apply(replica, events)
 
     @rule(replica=st.integers(0, 2))
     def clear(self, replica: int) -> None:
         self.index.clear(replica)
-        self.model[replica] = set()
+        self.model[replica] = {}
+
+    def tiers(self, replica: int, key: int) -> set[str]:
+        """The media the index follows that hold ``key`` on ``replica``, per the model."""
+        return self.model[replica].get(key, set()) & set(self.MEDIA)
 
     @invariant()
     def agrees(self) -> None:
-        assert [self.index.num_blocks(r) for r in range(3)] == [len(m) for m in self.model]
-        assert self.index.num_keys() == len(set().union(*self.model))
+        holding = [{key for key in self.model[r] if self.tiers(r, key)} for r in range(3)]
+        assert [self.index.num_blocks(r) for r in range(3)] == [len(keys) for keys in holding]
+        assert self.index.num_keys() == len(set().union(*holding))
         for prompt, keys in zip(self.PROMPTS, self.keys, strict=True):
             want = []
-            for held in self.model:
+            for replica in range(3):
                 run = 0
-                while run < len(keys) and keys[run] in held:
+                while run < len(keys) and self.tiers(replica, keys[run]):
                     run += 1
-                want.append(4 * run)
-            assert self.index.match([*prompt, 0]) == want
+                gpu = 0
+                while gpu < run and "GPU" in self.tiers(replica, keys[gpu]):
+                    gpu += 1
+                want.append((4 * gpu, 4 * (run - gpu)))
+            assert self.index.match_tiers([*prompt, 0]) == want
+            assert self.index.match([*prompt, 0]) == [gpu + host for gpu, host in want]
 
 
 TestIndexMachine = IndexMachine.TestCase
 TestIndexMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
+def test_a_block_moved_to_the_host_and_back_keeps_its_place_in_the_prefix() -> None:
+    """A move is a removal from one medium and a store on the other: the prefix stays matched, and
+    match_tiers says which part is on the GPU and which would be loaded from the host."""
+    prompt = list(range(16))  # 4 pages
+    keys = block_hashes(prompt, 4)
+    probe = [*prompt, 0]
+    index = BlockIndex(num_replicas=2, page_size=4)
+    index.apply(0, [_stored(prompt)])
+    index.apply(1, [_stored(prompt[:8])])
+    assert index.match_tiers(probe) == [(16, 0), (8, 0)]
+    # Replica 0's last two pages go to the host, descendants first.
+    tail = BlockStored(keys[2:], keys[1], prompt[8:], 4, medium="CPU")
+    index.apply(0, [BlockRemoved(keys[3:]), BlockRemoved(keys[2:3]), tail])
+    assert index.match_tiers(probe) == [(8, 8), (8, 0)]
+    assert index.match(probe) == [16, 8] and index.num_blocks(0) == 4 and index.num_keys() == 4
+    # Page 3 loaded back onto the GPU: the prefix on the GPU still ends at page 2, which is on the host.
+    index.apply(0, [BlockRemoved(keys[3:], medium="CPU"), BlockStored(keys[3:], keys[2], prompt[12:], 4)])
+    assert index.match_tiers(probe) == [(8, 8), (8, 0)]
+    # Page 2 on both tiers: GPU all the way.
+    index.apply(0, [BlockStored(keys[2:3], keys[1], prompt[8:12], 4)])
+    assert index.match_tiers(probe) == [(16, 0), (8, 0)] and index.num_blocks(0) == 4
+    # Leaving one tier keeps the block while the other holds it; leaving both forgets it.
+    index.apply(0, [BlockRemoved(keys[2:3])])
+    assert index.match_tiers(probe) == [(8, 8), (8, 0)]
+    index.apply(0, [BlockRemoved(keys[3:]), BlockRemoved(keys[2:3], medium="CPU")])
+    assert index.match_tiers(probe) == [(8, 0), (8, 0)] and index.num_blocks(0) == 2
+    # Removing a block from a tier that does not hold it changes nothing.
+    index.apply(1, [BlockRemoved(keys[:2], medium="CPU")])
+    assert index.match_tiers(probe) == [(8, 0), (8, 0)]
+    index.clear(0)
+    assert index.match_tiers(probe) == [(0, 0), (8, 0)] and index.num_keys() == 2
+
+
+def test_blocks_of_other_media_are_not_counted() -> None:
+    """vLLM's "STORAGE" tier (disk) is neither tier the index follows: its events change nothing."""
+    prompt = list(range(8))
+    keys = block_hashes(prompt, 4)
+    index = BlockIndex(num_replicas=1, page_size=4)
+    index.apply(0, [BlockStored(keys, None, prompt, 4, medium="STORAGE")])
+    assert index.match([*prompt, 0]) == [0] and index.num_blocks(0) == 0
+    index.apply(0, [BlockStored(keys, None, prompt, 4, medium="CPU"), BlockRemoved(keys, medium="STORAGE")])
+    assert index.match_tiers([*prompt, 0]) == [(0, 8)]
+
+
+def test_host_tier_events_reach_the_index_through_the_wire() -> None:
+    """A vLLM replica offloading to CPU memory: its "CPU" events, decoded, fill the host part."""
+    prompt = list(range(12))
+    keys = block_hashes(prompt, 4)
+    payload = vllm_payload(
+        [
+            VllmBlockStored(keys, None, prompt, 4, None, "GPU", None),
+            VllmBlockStored(keys[1:], keys[0], prompt[4:], 4, None, "CPU", None),
+            VllmBlockRemoved(keys[1:], "GPU"),
+        ]
+    )
+    index = BlockIndex(num_replicas=1, page_size=4)
+    index.apply(0, BatchDecoder().decode(payload)[1])
+    assert index.match_tiers([*prompt, 0]) == [(4, 8)] and index.match([*prompt, 0]) == [12]
 
 
 def test_a_restarted_publisher_is_a_resync_not_duplicates() -> None:

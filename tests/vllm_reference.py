@@ -114,6 +114,8 @@ def main() -> None:
         BlockStored([5, 2**64 - 1], None, [1, 2, 1000, 70000], 2),
         BlockStored([6], 5, [3, 4], 2, extra_keys=[b"\x01\x00\x00\x00x"]),
         BlockRemoved([5]),
+        BlockStored([7], 6, [5, 6], 2, medium="CPU"),  # the host tier
+        BlockRemoved([7], medium="CPU"),
         AllBlocksCleared(),
     ]
     theirs = ke.KVEventBatch(
@@ -122,6 +124,8 @@ def main() -> None:
             ke.BlockStored([5, 2**64 - 1], None, [1, 2, 1000, 70000], 2, None, "GPU", None),
             ke.BlockStored([6], 5, [3, 4], 2, None, "GPU", None, extra_keys=[(b"\x01\x00\x00\x00x",)]),
             ke.BlockRemoved([5], "GPU"),
+            ke.BlockStored([7], 6, [5, 6], 2, None, ke.MEDIUM_CPU, None),
+            ke.BlockRemoved([7], ke.MEDIUM_CPU),
             ke.AllBlocksCleared(),
         ],
         data_parallel_rank=1,

@@ -5,7 +5,14 @@ from __future__ import annotations
 import numpy as np
 
 from prefix_cache.cache.block_tree import BlockTree
-from prefix_cache.cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from prefix_cache.cache.events import (
+    MEDIUM_CPU,
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+)
 from prefix_cache.cache.hashing import Namespace
 from prefix_cache.cache.tree_nodes import Node
 
@@ -13,10 +20,14 @@ from prefix_cache.cache.tree_nodes import Node
 #: building the frozen dataclasses costs several times more (once per cached or evicted page in
 #: the decode loop at page size 1); ``drain`` builds the events. Stored: ``(block_hashes,
 #: parent_block_hash, token_bytes, namespace, extra_keys)``, tokens still as int32 bytes;
-#: removed: ``(block_hashes, namespace)``.
+#: removed: ``(block_hashes, namespace)``; both on the GPU. The same with the medium last
+#: (``"CPU"`` for the host tier): ``(block_hashes, parent_block_hash, token_bytes, namespace,
+#: extra_keys, medium)`` and ``(block_hashes, namespace, medium)``.
 PendingStored = tuple[list[int], int | None, bytes, Namespace, list[bytes | None] | None]
+PendingStoredOn = tuple[list[int], int | None, bytes, Namespace, list[bytes | None] | None, str]
 PendingRemoved = tuple[list[int], Namespace]
-Pending = KVCacheEvent | PendingStored | PendingRemoved
+PendingRemovedOn = tuple[list[int], Namespace, str]
+Pending = KVCacheEvent | PendingStored | PendingStoredOn | PendingRemoved | PendingRemovedOn
 
 
 class EventLog:
@@ -45,8 +56,8 @@ class EventLog:
         if self.overflowed:
             return
         size = 0
-        if type(event) is tuple:
-            size = 8 * len(event[0]) + (len(event[2]) if len(event) > 2 else 0)
+        if type(event) is tuple:  # a stored tuple (5 or 6 long) holds token bytes too
+            size = 8 * len(event[0]) + (len(event[2]) if len(event) > 4 else 0)
         pending = self.pending
         if len(pending) < self.max_events and self.num_bytes + size <= self.max_bytes:
             pending.append(event)
@@ -77,8 +88,10 @@ class EventLog:
         return [
             event
             if type(event) is not tuple
-            else BlockRemoved(block_hashes=event[0], namespace=event[1])
-            if len(event) == 2
+            else BlockRemoved(
+                block_hashes=event[0], namespace=event[1], medium=event[2] if len(event) == 3 else MEDIUM_GPU
+            )
+            if len(event) < 5
             else BlockStored(
                 block_hashes=event[0],
                 parent_block_hash=event[1],
@@ -86,14 +99,16 @@ class EventLog:
                 block_size=page_size,
                 namespace=event[3],
                 extra_keys=event[4],
+                medium=event[5] if len(event) == 6 else MEDIUM_GPU,
             )
             for event in events
         ]
 
 
 def cached_blocks(tree: BlockTree) -> list[BlockStored]:
-    """``BlockStored`` events for every block in ``tree``, one per chain of runs with single
-    children, each after its parent's."""
+    """``BlockStored`` events for every block in ``tree``, each after its parent's: one per chain of
+    runs with single children on one tier. A run held on the host only (``pages`` None; every run
+    below it is too) is stored with medium ``"CPU"``, so a chain is cut where it leaves the GPU."""
     page_size = tree.page_size
     events = []
     for root in tree.roots.values():
@@ -103,14 +118,15 @@ def cached_blocks(tree: BlockTree) -> list[BlockStored]:
             for head in node.children.values() if node.children is not None else [node.child]:
                 if head is None:
                     continue
+                on_host = head.pages is None
                 chain = [head]
-                while head.child is not None:
+                while head.child is not None and (head.child.pages is None) == on_host:
                     head = head.child
                     chain.append(head)
                 extras = [
                     (run.extras[i] if run.extras is not None else b"") or None
                     for run in chain
-                    for i in range(len(run.pages))
+                    for i in range(len(run.keys))
                 ]
                 tokens = b"".join(bytes(run.tokens) for run in chain)
                 events.append(
@@ -121,8 +137,9 @@ def cached_blocks(tree: BlockTree) -> list[BlockStored]:
                         block_size=page_size,
                         namespace=root.namespace,
                         extra_keys=extras if any(extras) else None,
+                        medium=MEDIUM_CPU if on_host else MEDIUM_GPU,
                     )
                 )
-                if head.children is not None:
+                if head.children is not None or head.child is not None:
                     stack.append(head)
     return events

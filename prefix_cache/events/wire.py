@@ -20,10 +20,11 @@ One ZMQ multipart message per batch of events: ``(topic, sequence number, payloa
 
   - ``BlockStored``: ``block_hashes`` (list of uint64), ``parent_block_hash`` (uint64 or nil for a
     prompt's first page), ``token_ids`` (``len(block_hashes) * block_size`` ints), ``block_size``,
-    ``lora_id`` (nil), ``medium`` (``"GPU"``), ``lora_name`` (nil); in the vllm layout also
-    ``extra_keys`` when a page has extra keys (per block, nil or a 1-tuple of the page's extra
-    identity bytes, see :mod:`prefix_cache.cache.hashing`).
-  - ``BlockRemoved``: ``block_hashes``, ``medium``.
+    ``lora_id`` (nil), ``medium`` (the event's: ``"GPU"``, or ``"CPU"`` for the host tier),
+    ``lora_name`` (nil); in the vllm layout also ``extra_keys`` when a page has extra keys (per
+    block, nil or a 1-tuple of the page's extra identity bytes, see
+    :mod:`prefix_cache.cache.hashing`).
+  - ``BlockRemoved``: ``block_hashes``, ``medium`` (the event's).
   - ``AllBlocksCleared``: no fields.
 
 The replay service answers a request with one message per buffered batch and an end marker; the
@@ -31,9 +32,10 @@ framing follows the layout (what the vLLM releases sending that layout do), afte
 identity and the empty delimiter: ``vllm``: ``(topic, seq, payload)`` then ``(b"", END_SEQ, b"")``;
 ``array``: ``(seq, payload)`` then ``(END_SEQ, b"")``.
 
-:class:`BatchDecoder` reads both layouts, from our publishers and from vLLM's: vLLM's optional
-fields are ignored, and a block hash sent as bytes (vLLM with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES
-=0``) is read as the int vLLM would have sent, its last 8 bytes big-endian.
+:class:`BatchDecoder` reads both layouts, from our publishers and from vLLM's: it keeps ``medium``
+(nil or left out reads as ``"GPU"``) and ignores vLLM's other optional fields, and reads a block
+hash sent as bytes (vLLM with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``) as the int vLLM would have
+sent, its last 8 bytes big-endian.
 """
 
 # No ``from __future__ import annotations``: msgspec resolves the struct annotations at runtime.
@@ -43,7 +45,6 @@ import msgspec
 
 from prefix_cache.cache import events as cache_events
 
-MEDIUM_GPU = "GPU"
 #: The sequence number of the replay service's end marker: -1 as 8 signed big-endian bytes.
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
@@ -154,7 +155,7 @@ def to_wire(
                 event.token_ids,
                 event.block_size,
                 None,
-                MEDIUM_GPU,
+                event.medium,
                 None,
             )
             if maps and event.extra_keys is not None:
@@ -163,7 +164,7 @@ def to_wire(
             else:
                 wire.append(stored(*fields))
         elif kind is cache_events.BlockRemoved:
-            wire.append(removed(event.block_hashes, MEDIUM_GPU))
+            wire.append(removed(event.block_hashes, event.medium))
         elif kind is cache_events.AllBlocksCleared:
             wire.append(cleared())
         else:
@@ -187,11 +188,13 @@ class _InMapBlockStored(_InMap, tag="BlockStored"):
     parent_block_hash: Hash | None
     token_ids: list[int]
     block_size: int
+    medium: str | None = None
     extra_keys: list[Any] | None = None
 
 
 class _InMapBlockRemoved(_InMap, tag="BlockRemoved"):
     block_hashes: list[Hash]
+    medium: str | None = None
 
 
 class _InMapAllBlocksCleared(_InMap, tag="AllBlocksCleared"):
@@ -207,10 +210,13 @@ class _InArrayBlockStored(_InArray, tag="BlockStored"):
     parent_block_hash: Hash | None
     token_ids: list[int]
     block_size: int
+    lora_id: Any = None  # read for its position only: ``medium`` follows it
+    medium: str | None = None
 
 
 class _InArrayBlockRemoved(_InArray, tag="BlockRemoved"):
     block_hashes: list[Hash]
+    medium: str | None = None
 
 
 class _InArrayAllBlocksCleared(_InArray, tag="AllBlocksCleared"):
@@ -238,7 +244,8 @@ def external_hash(key: Hash) -> int:
 class BatchDecoder:
     """Decodes payloads into ``(ts, events, data_parallel_rank)``, the events as this library's
     ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` (``namespace`` None: the wire does not
-    carry it; the block hashes already depend on it).
+    carry it; the block hashes already depend on it) and ``medium`` as sent (``"GPU"`` when nil
+    or left out).
 
     Accepts both layouts. ``extra_keys`` entries in this library's form (a 1-tuple of bytes) come
     back as the bytes; vLLM's other shapes (LoRA names, salts, multimodal pairs) as None: the cache's
@@ -267,10 +274,16 @@ class BatchDecoder:
                         event.token_ids,
                         event.block_size,
                         extra_keys=_extras(getattr(event, "extra_keys", None)),
+                        medium=event.medium or cache_events.MEDIUM_GPU,
                     )
                 )
             elif kind is _InMapBlockRemoved or kind is _InArrayBlockRemoved:
-                events.append(cache_events.BlockRemoved([external_hash(key) for key in event.block_hashes]))
+                events.append(
+                    cache_events.BlockRemoved(
+                        [external_hash(key) for key in event.block_hashes],
+                        medium=event.medium or cache_events.MEDIUM_GPU,
+                    )
+                )
             else:
                 events.append(cache_events.AllBlocksCleared())
         return batch.ts, events, batch.data_parallel_rank
