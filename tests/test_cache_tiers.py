@@ -20,6 +20,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from prefix_cache import OutOfPages, PrefixCache
 from prefix_cache.cache.transfers import Transfers
+from prefix_cache.events import BlockIndex
 
 VOCAB = 3
 POISON = ("garbage",)
@@ -43,6 +44,8 @@ class TierMachine(RuleBasedStateMachine):
         self.prompts: list[tuple[object, list[int]]] = []
         # Batches taken and copied (or not), waiting for transfers_done: (batch, copied).
         self.in_flight: list[tuple[Transfers, bool]] = []
+        # A router's view, from the cache's events alone.
+        self.index = BlockIndex(1, page_size)
 
     # ------------------------------------------------------------------ the engine's side
 
@@ -220,6 +223,15 @@ class TierMachine(RuleBasedStateMachine):
     def consistent(self) -> None:
         if hasattr(self, "cache"):
             self.cache.check_invariants()
+            self.index.apply(0, self.cache.drain_events())
+            for namespace, prompt in self.prompts[-4:]:
+                (gpu, host), cache_gpu, (_, cache_host) = (
+                    self.index.match_tiers(prompt, namespace)[0],
+                    self.cache.match(prompt, namespace),
+                    self.cache.match_tiers(prompt, namespace),
+                )
+                # The events tell a router each block's tier; the cache loads no more than fit.
+                assert gpu == cache_gpu and host >= cache_host, (gpu, host, cache_gpu, cache_host)
             for seq in self.live:
                 assert seq.num_loading_tokens == 0 or seq.num_loading_tokens % self.ps == 0
 

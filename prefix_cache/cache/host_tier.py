@@ -32,6 +32,7 @@ import numpy as np
 
 from prefix_cache.cache.block_tree import BlockTree, has_gpu_child
 from prefix_cache.cache.event_log import EventLog
+from prefix_cache.cache.events import MEDIUM_CPU
 from prefix_cache.cache.page_pool import PagePool
 from prefix_cache.cache.transfers import Transfers
 from prefix_cache.cache.tree_nodes import Node, Walk, remove_child
@@ -39,7 +40,7 @@ from prefix_cache.cache.tree_nodes import Node, Walk, remove_child
 if TYPE_CHECKING:
     from prefix_cache.cache.sequence import Sequence
 
-MEDIUM_HOST = "CPU"
+
 _NO_PAIRS = np.empty((0, 2), dtype=np.int32)
 
 
@@ -146,7 +147,7 @@ class HostTier:
                             bytes(node.tokens),
                             root.namespace,
                             event_extras(node),
-                            MEDIUM_HOST,
+                            MEDIUM_CPU,
                         )
                     )
             else:
@@ -211,7 +212,7 @@ class HostTier:
                 if run.pages is None:
                     tree.num_host_nodes -= 1
                     if events is not None:
-                        events.emit((list(run.keys), root.namespace, MEDIUM_HOST))
+                        events.emit((list(run.keys), root.namespace, MEDIUM_CPU))
         parent = node.parent
         if parent.child is node:
             parent.child = None
@@ -344,7 +345,7 @@ class HostTier:
             tree.num_pages += size
             if events is not None:
                 parent = node.parent
-                events.emit((list(node.keys), root.namespace, MEDIUM_HOST))
+                events.emit((list(node.keys), root.namespace, MEDIUM_CPU))
                 events.emit(
                     (
                         list(node.keys),
