@@ -350,3 +350,24 @@ def test_a_run_split_before_its_save_is_taken_keeps_the_batch_whole() -> None:
     assert batch.saves.shape == (3, 2)
     cache.transfers_done(batch)
     cache.check_invariants()
+
+
+def test_a_host_page_a_load_reads_is_not_saved_over() -> None:
+    """The host tier is full and the run a pending load reads is its oldest: making room drops
+    the run, but its pages stay pinned until the load is done, so no save of the same batch (nor
+    of a later one before it) writes them."""
+    cache, chats = evicted_to_host(host_pages=4)
+    seq = cache.admit(chats[0] + [1])  # loads chats[0] from the host, pages pinned
+    assert seq.num_loading_tokens == 8
+    read = set(cache._tier.loads[0][0].tolist())
+    for base in (80, 90, 100):  # new conversations push chats[1] and [2] out of the GPU
+        other = cache.admit([base + i for i in range(9)], extra_tokens=3)
+        cache.commit(other, [base + i for i in range(9)])
+        cache.close(other)
+    batch = cache.take_transfers()
+    assert read == set(batch.loads[:, 0].tolist())
+    assert read.isdisjoint(batch.saves[:, 1].tolist())
+    cache.check_invariants()
+    cache.transfers_done(batch)
+    cache.close(seq)
+    cache.check_invariants()

@@ -33,7 +33,7 @@ import numpy as np
 from prefix_cache.cache.block_tree import BlockTree, has_gpu_child
 from prefix_cache.cache.event_log import EventLog
 from prefix_cache.cache.events import MEDIUM_CPU
-from prefix_cache.cache.page_pool import PagePool
+from prefix_cache.cache.page_pool import PagePool, int_pages
 from prefix_cache.cache.transfers import Transfers
 from prefix_cache.cache.tree_nodes import Node, Walk, remove_child
 
@@ -42,6 +42,9 @@ if TYPE_CHECKING:
 
 
 _NO_PAIRS = np.empty((0, 2), dtype=np.int32)
+#: Runs up to this many pages move to the host whole when the pool needs part of one: a cut costs
+#: more than moving the rest of a short run, which is as old.
+SPLIT_PAGES = 64
 
 
 class HostTier:
@@ -66,7 +69,8 @@ class HostTier:
         "loads",
         "num_cached",
         "num_pages",
-        "orphans",
+        "orphan",
+        "pinned",
         "pins",
         "saved_pages",
         "saves",
@@ -86,13 +90,15 @@ class HostTier:
         #: Host-only leaves, the host's eviction candidates: ``(tick, serial, node)``, an entry
         #: live while ``node.lru_serial == serial`` (serials come from the tree's counter).
         self.heap: list[tuple[int, int, Node]] = []
-        #: Host page -> loads reading it (queued or running); pages left by their run while
-        #: pinned wait in ``orphans``.
-        self.pins: dict[int, int] = {}
-        self.orphans: set[int] = set()
-        #: Copies queued since the last ``take``: pairs of int32 arrays (gpu pages, host pages).
+        #: Per host page, the loads reading it (queued or running), and their sum; pages left by
+        #: their run while pinned are marked in ``orphan`` until their last pin goes.
+        self.pins = np.zeros(num_pages, dtype=np.int32)
+        self.pinned = 0
+        self.orphan = np.zeros(num_pages, dtype=bool)
+        #: Copies queued since the last ``take``: pairs of page id arrays (gpu, host) for saves,
+        #: (host, gpu) for loads.
         self.saves: list[tuple[array, array]] = []
-        self.loads: list[tuple[array, np.ndarray]] = []
+        self.loads: list[tuple[array, array]] = []
         #: Sequences whose loads are queued since the last ``take``.
         self.loading: list[Sequence] = []
         #: Ticket -> the sequences whose loads that batch makes.
@@ -104,10 +110,12 @@ class HostTier:
 
     # ------------------------------------------------------------------ GPU eviction
 
-    def evict_gpu(self, count: int) -> int:
-        """Free up to ``count`` GPU pages: the least recently released runs with no child on the
-        GPU move to the host (a run's end first, as ``BlockTree.evict`` takes it), or leave the
-        tree when the host cannot take them. Returns the GPU pages freed."""
+    def evict_gpu(self, count: int, exact: bool) -> int:
+        """Free ``count`` GPU pages (fewer when there are not as many evictable; with ``exact``
+        False, more where that moves a whole run of at most ``SPLIT_PAGES`` pages rather than
+        cutting it): the least recently released runs with no child on the GPU move to the host
+        (a run's end first, as ``BlockTree.evict`` takes it), or leave the tree when the host
+        cannot take them. Returns the GPU pages freed."""
         tree = self.tree
         free = self.gpu_pool.free
         events = self.events
@@ -118,7 +126,7 @@ class HostTier:
                 break
             size = len(node.pages)
             want = count - freed
-            if want < size:
+            if want < size and (exact or size > SPLIT_PAGES):
                 # The run's end goes: the head stays on the GPU, with the node's age.
                 tree.split(node, size - want).tick = node.tick
                 size = want
@@ -228,15 +236,13 @@ class HostTier:
 
     def release_pages(self, pages: array) -> None:
         """Host pages whose run let go of them: free, or orphaned while a load reads them."""
-        pins = self.pins
-        if not pins:
+        if not self.pinned:
             self.free += pages
             return
-        for page in pages:
-            if page in pins:
-                self.orphans.add(page)
-            else:
-                self.free.append(page)
+        ids = np.frombuffer(pages, dtype=np.int32)
+        pinned = self.pins[ids] > 0
+        self.orphan[ids[pinned]] = True
+        self.free.frombytes(ids[~pinned].tobytes())
 
     # ------------------------------------------------------------------ matching and loading
 
@@ -283,28 +289,25 @@ class HostTier:
             pages += node.host[: count - len(pages)]
             if len(pages) == count:
                 break
-        pins = self.pins
-        for page in pages:
-            pins[page] = pins.get(page, 0) + 1
+        # Distinct pages (one prompt's runs), so one fancy-indexed add counts each once.
+        self.pins[np.frombuffer(pages, dtype=np.int32)] += 1
+        self.pinned += len(pages)
         return pages
 
     def unpin(self, pages: array) -> None:
         """Drop one pin of each of ``pages``; orphans whose last pin goes are free."""
+        ids = np.frombuffer(pages, dtype=np.int32)
         pins = self.pins
-        orphans = self.orphans
-        for page in pages:
-            count = pins[page] - 1
-            if count:
-                pins[page] = count
-            else:
-                del pins[page]
-                if page in orphans:
-                    orphans.discard(page)
-                    self.free.append(page)
+        pins[ids] -= 1
+        self.pinned -= len(pages)
+        freed = ids[(pins[ids] == 0) & self.orphan[ids]]
+        if len(freed):
+            self.orphan[freed] = False
+            self.free.frombytes(freed.tobytes())
 
     def queue_load(self, seq: Sequence, host: array, gpu: np.ndarray) -> None:
         """Queue the loads of ``seq``'s host pages ``host`` (pinned) into its GPU pages ``gpu``."""
-        self.loads.append((host, gpu.copy()))
+        self.loads.append((host, int_pages(gpu)))
         self.loading.append(seq)
         seq._load_host = host
 
@@ -331,8 +334,7 @@ class HostTier:
         table = seq._pages
         for node in nodes:
             size = len(node.keys)
-            pages = array("i")
-            pages.frombytes(table[start : start + size].tobytes())
+            pages = int_pages(table[start : start + size])
             start += size
             host = node.host
             node.host = None
@@ -403,8 +405,9 @@ class HostTier:
         self.free = PagePool(self.num_pages).free
         self.num_cached = 0
         self.heap = []
-        self.pins = {}
-        self.orphans = set()
+        self.pins[:] = 0
+        self.pinned = 0
+        self.orphan[:] = False
         self.saves = []
         self.loads = []
         self.loading = []
@@ -415,14 +418,16 @@ def event_extras(node: Node) -> list[bytes | None] | None:
     return None if node.extras is None else [extra or None for extra in node.extras]
 
 
-def pairs(parts: list[tuple[array, object]]) -> np.ndarray:
-    """Rows ``(a, b)`` of int32 from pairs of equally long sequences of page ids."""
+def pairs(parts: list[tuple[array, array]]) -> np.ndarray:
+    """Rows ``(a, b)`` of int32 from pairs of equally long ``array('i')`` of page ids."""
     if not parts:
         return _NO_PAIRS
-    first = np.concatenate(
-        [np.frombuffer(a, dtype=np.int32) if isinstance(a, array) else a for a, _ in parts]
-    )
-    second = np.concatenate(
-        [np.frombuffer(b, dtype=np.int32) if isinstance(b, array) else b for _, b in parts]
-    )
-    return np.stack([first, second], axis=1).astype(np.int32, copy=False)
+    first = array("i")
+    second = array("i")
+    for a, b in parts:
+        first += a
+        second += b
+    rows = np.empty((len(first), 2), dtype=np.int32)
+    rows[:, 0] = np.frombuffer(first, dtype=np.int32)
+    rows[:, 1] = np.frombuffer(second, dtype=np.int32)
+    return rows

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from prefix_cache.cache.block_tree import has_gpu_child
 from prefix_cache.cache.errors import InvariantError
 from prefix_cache.cache.hashing import namespace_seed
@@ -96,19 +98,21 @@ class InvariantChecker:
             self.fail(f"{cached} host pages cached, counter says {tier.num_cached}")
         for page in tier.free:
             self.book_host(page, "free on the host")
-        for page in tier.orphans:
-            if page not in tier.pins:
+            if tier.pins[page]:
+                self.fail(f"host page {page} is free while a load reads it")
+        for page in np.flatnonzero(tier.orphan).tolist():
+            if not tier.pins[page]:
                 self.fail(f"host page {page} waits for a load that does not exist")
             self.book_host(page, "left by its run, pinned")
         if len(self.host_owner) != tier.num_pages:
             self.fail(
                 f"{tier.num_pages - len(self.host_owner)} host pages are neither free, cached nor pinned"
             )
-        pins: dict[int, int] = {}
+        pins = np.zeros(tier.num_pages, dtype=np.int32)
         for seq in cache._live:
             for page in seq._load_host or ():
-                pins[page] = pins.get(page, 0) + 1
-        if pins != tier.pins:
+                pins[page] += 1
+        if not np.array_equal(pins, tier.pins) or tier.pinned != pins.sum():
             self.fail("host pins are not the pages live sequences load")
         queued = [seq for seq in tier.loading if seq._owner is not cache or not seq._loading]
         if queued or len(tier.loading) != len(tier.loads):

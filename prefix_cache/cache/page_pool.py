@@ -39,3 +39,10 @@ class PagePool:
     def put_table(self, pages: np.ndarray) -> None:
         """Return the page ids of a slice of an int32 block table."""
         self.free.frombytes(pages.tobytes())
+
+
+def int_pages(table: np.ndarray) -> array:
+    """A slice of an int32 block table as the tree's ``array('i')`` of page ids."""
+    pages = array("i")
+    pages.frombytes(table.tobytes())
+    return pages

@@ -9,13 +9,11 @@ from __future__ import annotations
 
 from array import array
 
-import numpy as np
-
 from prefix_cache.cache.block_tree import BlockTree, check_key
 from prefix_cache.cache.errors import OutOfPages
 from prefix_cache.cache.event_log import EventLog
 from prefix_cache.cache.host_tier import HostTier
-from prefix_cache.cache.page_pool import PagePool
+from prefix_cache.cache.page_pool import PagePool, int_pages
 from prefix_cache.cache.sequence import Sequence
 from prefix_cache.cache.tree_nodes import NO_WALK, Node, Root, Walk
 
@@ -331,12 +329,12 @@ class PageStore:
             adopted = set(pages)
             seq._dups = [page for page in seq._dups if page not in adopted]
 
-    def evict(self, num_pages: int) -> int:
+    def evict(self, num_pages: int, exact: bool = False) -> int:
         """Evict up to ``num_pages`` pages in LRU order, with ``BlockRemoved`` events (one per run
-        of pages of one namespace; with a host tier, runs move there, see ``HostTier.evict_gpu``);
-        returns the number evicted."""
+        of pages of one namespace; with a host tier, runs move there, see ``HostTier.evict_gpu``,
+        a few more pages than asked unless ``exact``); returns the number evicted."""
         if self.tier is not None:
-            count = self.tier.evict_gpu(num_pages)
+            count = self.tier.evict_gpu(num_pages, exact)
             self.evicted_pages += count
             return count
         evicted, count = self.evict_pages(num_pages)
@@ -364,10 +362,3 @@ class PageStore:
             count += len(pages)
         self.evicted_pages += count
         return evicted, count
-
-
-def int_pages(table: np.ndarray) -> array:
-    """A slice of an int32 block table as the tree's ``array('i')`` of page ids."""
-    pages = array("i")
-    pages.frombytes(table.tobytes())
-    return pages

@@ -584,7 +584,7 @@ class PrefixCache:
         try:
             if self._store.pending:
                 self._store.flush()
-            return self._store.evict(num_pages)
+            return self._store.evict(num_pages, exact=True)
         finally:
             self._lock.release()
 
@@ -626,8 +626,6 @@ class PrefixCache:
                 raise ValueError(
                     f"transfer batch {batch.ticket} is not in flight (done twice, or not this cache's)"
                 )
-            if self._store.pending:
-                self._store.flush()
             for seq in tier.finish(batch):
                 loaded = seq._loading
                 seq._loading = 0
