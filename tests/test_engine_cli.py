@@ -20,6 +20,8 @@ from examples.engine.options import add_engine_options, add_model_options, check
         (["--page-size", "300"], "argument --page-size: must be in 1..128, got 300"),
         (["--page-size", "0"], "argument --page-size: must be in 1..128, got 0"),
         (["--num-pages", "x"], "argument --num-pages: must be in 1..2147483647, got x"),
+        (["--host-pages", "-1"], "argument --host-pages: must be in 0..2147483647, got -1"),
+        (["--host-pages", "8", "--tensor-parallel-size", "2"], "argument --host-pages: a host tier runs"),
         (["--backend", "cuda"], "argument --backend: invalid choice: 'cuda'"),
         (["--model", "llama"], "argument --model: invalid choice: 'llama'"),
         (["--port", "70000"], "argument --port: must be in 0..65535, got 70000"),

@@ -43,6 +43,9 @@ class EngineConfig:
     graph_max_pages_per_seq: a graph bucket of B decodes takes plans listing up to B times this many
         page ids over all levels (more: that step runs eagerly); None: ``num_pages``, so every plan fits
         (device buffers of 4 bytes per page id, per bucket).
+    host_pages: pages of the cache's host tier in (pinned, on a CUDA machine) host memory, 0 for none:
+        evicted prefixes wait there and come back by copy (docs/offload.md). One process only (no
+        tensor parallelism).
     """
 
     num_pages: int = 2048
@@ -54,8 +57,11 @@ class EngineConfig:
     planner: CascadePlanner = field(default_factory=CascadePlanner)
     cuda_graphs: bool = True
     graph_max_pages_per_seq: int | None = None
+    host_pages: int = 0
 
     def __post_init__(self) -> None:
+        if type(self.host_pages) is not int or not 0 <= self.host_pages < 2**31:
+            raise ValueError(f"host_pages must be an int in [0, 2**31), got {self.host_pages!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
@@ -104,11 +110,24 @@ class LLMEngine:
         tensor parallelism passes rank 0's, whose model is ``model``'s shard."""
         self.model, self.config = model, config
         self.stop_token_ids = stop_token_ids
-        self.cache = PrefixCache(config.num_pages, config.page_size, record_events=False)
+        if config.host_pages and runner is not None:
+            raise ValueError("a host tier (host_pages) needs the engine's own runner: no tensor parallelism")
+        self.cache = PrefixCache(
+            config.num_pages, config.page_size, record_events=False, host_pages=config.host_pages
+        )
         self.scheduler = Scheduler(self.cache, config.scheduler)
         self.planner = engine_planner(config)
         self.runner = runner or ModelRunner(model, config, self.planner.max_levels)
         self.kv_pool, self.backend, self.graphs = self.runner.kv_pool, self.runner.backend, self.runner.graphs
+        self.mover = None
+        if config.host_pages:
+            from prefix_cache.offload import HostKVPool, KVMover
+
+            _, _, page_size, heads, head_dim = self.kv_pool[0].shape
+            host = HostKVPool(
+                config.host_pages, len(self.kv_pool), page_size, heads, head_dim, self.kv_pool[0].dtype
+            )
+            self.mover = KVMover(self.kv_pool, host)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self._ids = count()
@@ -156,12 +175,42 @@ class LLMEngine:
         A request whose sampling raises fails alone; an exception in the batch's forward fails the
         requests of that batch (they cannot be told apart). Either way the engine keeps serving."""
         batch = self.scheduler.schedule()
+        if self.mover is not None:
+            batch = self._transfer(batch)
         if not batch:
             return []
         try:
             return self._run(batch)
         except Exception as error:  # the batch's requests fail, the engine goes on
             return self._fail({s.request: error for s, _ in batch})
+
+    def _transfer(self, batch: list[tuple[Sample, int]]) -> list[tuple[Sample, int]]:
+        """The copies the cache asks for this step, queued on the mover's stream before the forward
+        (which waits for them on the device): saves of evicted prefixes, then loads of prefixes
+        found on the host, whose tokens this step's batch may already build on. When a batch of
+        copies fails, the samples whose loads it held leave this step and compute those tokens in
+        the next ones."""
+        transfers = self.cache.take_transfers()
+        if transfers is None:
+            return batch
+        handles = []
+        if len(transfers.saves):
+            handles.append(self.mover.save(transfers.saves[:, 0], transfers.saves[:, 1]))
+        if len(transfers.loads):
+            handles.append(self.mover.load(transfers.loads[:, 0], transfers.loads[:, 1]))
+        for handle in handles:
+            handle.wait_on()
+        ok = all(handle.ok for handle in handles)
+        self.cache.transfers_done(transfers, ok=ok)
+        if ok:
+            return batch
+        kept = []
+        for s, n in batch:
+            if s.seq.num_tokens < s.num_computed:  # its loads failed: recompute from its GPU prefix
+                s.num_computed = s.seq.num_tokens
+            else:
+                kept.append((s, n))
+        return kept
 
     def _run(self, batch: list[tuple[Sample, int]]) -> list[Sample]:
         cache, ps = self.cache, self.config.page_size

@@ -83,8 +83,8 @@ def add_tensor_parallel_option(ap: argparse.ArgumentParser) -> None:
 
 
 def add_engine_options(ap: argparse.ArgumentParser, num_pages: int = 4096) -> None:
-    """The KV pool and the scheduler: --num-pages, --page-size, --kv-cache-dtype, --max-batched-tokens,
-    --max-num-seqs, --no-prefix-caching, --no-cascade."""
+    """The KV pool and the scheduler: --num-pages, --page-size, --kv-cache-dtype, --host-pages,
+    --max-batched-tokens, --max-num-seqs, --no-prefix-caching, --no-cascade."""
     ap.add_argument("--num-pages", type=ranged_int(1, 2**31 - 1), default=num_pages, help="KV pool pages")
     ap.add_argument(
         "--page-size", type=ranged_int(*PAGE_SIZE_RANGE), default=16, help="tokens per page, 1..128"
@@ -94,6 +94,12 @@ def add_engine_options(ap: argparse.ArgumentParser, num_pages: int = 4096) -> No
         default="auto",
         choices=["auto", "fp8"],
         help="auto: the model's dtype; fp8: e4m3 with per-layer scales (docs/fp8.md)",
+    )
+    ap.add_argument(
+        "--host-pages",
+        type=ranged_int(0, 2**31 - 1),
+        default=0,
+        help="pages of the host tier (0: none): evicted prefixes wait in host memory (docs/offload.md)",
     )
     ap.add_argument("--max-batched-tokens", type=ranged_int(1), default=512, help="query tokens per step")
     ap.add_argument("--max-num-seqs", type=ranged_int(1), default=64, help="samples running at once")
@@ -126,6 +132,8 @@ def check_tensor_parallel(ap: argparse.ArgumentParser, args: argparse.Namespace)
     from .tensor_parallel import check_tensor_parallel_size
 
     size = args.tensor_parallel_size
+    if size > 1 and getattr(args, "host_pages", 0):
+        ap.error("argument --host-pages: a host tier runs in one process, not with --tensor-parallel-size 2+")
     try:
         if args.model in MODELS:  # an unknown model is refused where it is loaded
             check_tensor_parallel_size(MODELS[args.model], size)
@@ -157,6 +165,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         backend=args.backend,
         cascade=not args.no_cascade,
         scheduler=SchedulerConfig(args.max_batched_tokens, args.max_num_seqs, not args.no_prefix_caching),
+        host_pages=args.host_pages,
     )
 
 

@@ -1,0 +1,90 @@
+"""The engine with a host tier: conversations evicted from a small GPU pool between turns come
+back from host memory by copy, and greedy decoding gives the tokens of an ample pool, also when
+the copies fail and the engine computes those tokens instead."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from engine_helpers import one_torch_thread
+
+from examples.engine import LLAMA_1B, EngineConfig, LlamaModel, LLMEngine, SamplingParams
+from examples.engine.scheduler import SchedulerConfig
+
+pytestmark = pytest.mark.usefixtures(one_torch_thread.__name__)
+
+CONFIG = dataclasses.replace(
+    LLAMA_1B, num_layers=2, hidden_size=64, intermediate_size=128, vocab_size=300, head_dim=16
+)
+
+
+def conversations(engine: LLMEngine, turns: int = 3) -> list[np.ndarray]:
+    """Eight conversations over a shared system prompt, ``turns`` turns each, one turn of all of
+    them at a time (so later ones push earlier ones out of a small pool); every output in order."""
+    rng = np.random.default_rng(0)
+    system = rng.integers(0, CONFIG.vocab_size, 40)
+    prompts = [np.concatenate([system, rng.integers(0, CONFIG.vocab_size, 20 + 3 * i)]) for i in range(8)]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    outputs = []
+    for _ in range(turns):
+        replies = [sample[0] for sample in engine.generate(prompts, params)]
+        outputs += replies
+        prompts = [
+            np.concatenate([p, r, rng.integers(0, CONFIG.vocab_size, 5)])
+            for p, r in zip(prompts, replies, strict=True)
+        ]
+        engine.check_invariants()
+    return outputs
+
+
+def run(num_pages: int, host_pages: int, fail_loads: bool = False) -> tuple[list[np.ndarray], LLMEngine]:
+    model = LlamaModel.dummy(CONFIG, "cpu", torch.float32, seed=2)
+    config = EngineConfig(
+        num_pages=num_pages,
+        page_size=4,
+        backend="torch",
+        host_pages=host_pages,
+        scheduler=SchedulerConfig(max_batched_tokens=256, max_num_seqs=4),
+    )
+    engine = LLMEngine(model, config)
+    if fail_loads:
+        load = engine.mover.load
+
+        def cancelled(*args, **kwargs):
+            handle = load(*args, **kwargs)
+            handle.cancel()  # as if the copy failed: the pages hold what the load wrote, unconfirmed
+            return handle
+
+        engine.mover.load = cancelled
+    return conversations(engine), engine
+
+
+def test_evicted_conversations_come_back_from_the_host_with_the_same_tokens() -> None:
+    expected, ample = run(num_pages=512, host_pages=0)
+    assert ample.cache.stats.evicted_pages == 0
+    got, engine = run(num_pages=48, host_pages=512)
+    stats = engine.cache.stats
+    assert stats.evicted_pages > 0 and stats.host_hit_tokens > 0 and stats.loaded_pages > 0
+    for a, b in zip(got, expected, strict=True):
+        np.testing.assert_array_equal(a, b)
+    without, small = run(num_pages=48, host_pages=0)
+    assert stats.hit_rate > small.cache.stats.hit_rate + 0.1  # the tier brought hits back
+    for a, b in zip(without, expected, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_failed_loads_are_computed_instead() -> None:
+    expected, _ = run(num_pages=512, host_pages=0)
+    got, engine = run(num_pages=48, host_pages=512, fail_loads=True)
+    stats = engine.cache.stats
+    assert stats.host_hit_tokens == 0 and stats.loaded_pages == 0  # every load was refused
+    for a, b in zip(got, expected, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_host_pages_are_checked() -> None:
+    with pytest.raises(ValueError, match="host_pages"):
+        EngineConfig(host_pages=-1)
