@@ -40,8 +40,10 @@ def conversations(engine: LLMEngine, turns: int = 3) -> list[np.ndarray]:
     return outputs
 
 
-def run(num_pages: int, host_pages: int, fail_loads: bool = False) -> tuple[list[np.ndarray], LLMEngine]:
-    model = LlamaModel.dummy(CONFIG, "cpu", torch.float32, seed=2)
+def run(
+    num_pages: int, host_pages: int, fail_loads: bool = False, device: str = "cpu"
+) -> tuple[list[np.ndarray], LLMEngine]:
+    model = LlamaModel.dummy(CONFIG, device, torch.float32, seed=2)
     config = EngineConfig(
         num_pages=num_pages,
         page_size=4,
@@ -62,15 +64,26 @@ def run(num_pages: int, host_pages: int, fail_loads: bool = False) -> tuple[list
     return conversations(engine), engine
 
 
-def test_evicted_conversations_come_back_from_the_host_with_the_same_tokens() -> None:
-    expected, ample = run(num_pages=512, host_pages=0)
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
+    ),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_evicted_conversations_come_back_from_the_host_with_the_same_tokens(device: str) -> None:
+    """On CUDA the copies run on the mover's stream, the forward waiting for them on the device."""
+    expected, ample = run(num_pages=512, host_pages=0, device=device)
     assert ample.cache.stats.evicted_pages == 0
-    got, engine = run(num_pages=48, host_pages=512)
+    got, engine = run(num_pages=48, host_pages=512, device=device)
     stats = engine.cache.stats
     assert stats.evicted_pages > 0 and stats.host_hit_tokens > 0 and stats.loaded_pages > 0
     for a, b in zip(got, expected, strict=True):
         np.testing.assert_array_equal(a, b)
-    without, small = run(num_pages=48, host_pages=0)
+    without, small = run(num_pages=48, host_pages=0, device=device)
     assert stats.hit_rate > small.cache.stats.hit_rate + 0.1  # the tier brought hits back
     for a, b in zip(without, expected, strict=True):
         np.testing.assert_array_equal(a, b)
