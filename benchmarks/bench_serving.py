@@ -49,6 +49,7 @@ from examples.engine.options import (
     check_device,
     check_tensor_parallel,
     default_backend,
+    ranged_float,
     ranged_int,
 )
 from examples.engine.tensor_parallel import model_loader, tensor_parallel_engine
@@ -133,6 +134,8 @@ def replay(
     next_conv = len(starts) if args.request_rate <= 0 else len(conversations)
     live: dict[str, tuple[int, int, np.ndarray]] = {}  # request id -> (conversation, turn, prompt)
     done: list[Done] = []
+    # Users reading and typing: (when their next turn arrives, conversation, turn, history), a heap.
+    thinking: list[tuple[float, int, int, np.ndarray]] = []
 
     def send(conv: int, turn: int, history: np.ndarray) -> None:
         user, reply_len = conversations[conv].turns[turn]
@@ -142,15 +145,20 @@ def replay(
 
     steps = 0
     stopped = False
-    while starts or live:
+    while starts or live or thinking:
         now = time.perf_counter()
         if args.time_limit and now - t0 > args.time_limit and not stopped:
             stopped = True
             starts.clear()
+            thinking.clear()
         while starts and starts[0][0] <= now:
             send(heapq.heappop(starts)[1], 0, system)
+        while thinking and thinking[0][0] <= now:
+            _, conv, turn, history = heapq.heappop(thinking)
+            send(conv, turn, history)
         if not engine.has_work():
-            time.sleep(max(0.0, starts[0][0] - time.perf_counter()))
+            due = min(heap[0][0] for heap in (starts, thinking) if heap) if starts or thinking else now
+            time.sleep(max(0.0, due - time.perf_counter()))
             continue
         finished = [s for s in engine.step() if s.finished]
         steps += 1
@@ -161,7 +169,12 @@ def replay(
             if stopped:
                 continue
             if turn + 1 < len(conversations[conv].turns):
-                send(conv, turn + 1, np.concatenate([prompt, s.output, chat.end_of_reply]))
+                history = np.concatenate([prompt, s.output, chat.end_of_reply])
+                if args.think_time > 0:
+                    at = time.perf_counter() + rng.exponential(args.think_time)
+                    heapq.heappush(thinking, (at, conv, turn + 1, history))
+                else:
+                    send(conv, turn + 1, history)
             elif next_conv < len(conversations):
                 send(next_conv, 0, system)
                 next_conv += 1
@@ -235,9 +248,13 @@ def replay_http(
         done.append(Done(len(prompt), arrival, np.array(times)))
         return np.array(ids, dtype=np.int32)
 
+    think = np.random.default_rng(args.seed + 1)
+
     async def conversation(client: httpx.AsyncClient, conv: Conversation) -> None:
         history = system
-        for user, reply_len in conv.turns:
+        for index, (user, reply_len) in enumerate(conv.turns):
+            if index and args.think_time > 0:
+                await asyncio.sleep(think.exponential(args.think_time))
             if state["stopped"]:
                 return
             prompt = np.concatenate([history, user, chat.generation_prompt])
@@ -495,9 +512,11 @@ def run_config(
     name: str,
     graphs: str,
     kv_dtype: str = "auto",
+    host_pages: int = 0,
 ) -> dict:
     """One configuration on a new engine: warm-up, then the measured replay; its result row. An fp8
-    pool (``kv_dtype``) holds the bytes of ``--num-pages`` pages at the model's dtype."""
+    pool (``kv_dtype``) holds the bytes of ``--num-pages`` pages at the model's dtype; ``host_pages``
+    sizes the cache's host tier (0: none)."""
     caching, cascade = CONFIGS[name]
     num_pages = args.num_pages * (model.dtype.itemsize if kv_dtype == "fp8" else 1)
     config = EngineConfig(
@@ -508,6 +527,7 @@ def run_config(
         cascade=cascade,
         scheduler=SchedulerConfig(args.max_batched_tokens, args.max_num_seqs, caching),
         cuda_graphs=graphs == "on",
+        host_pages=host_pages,
     )
     load = model_loader(args.model, args.layers, model.dtype)
     engine = tensor_parallel_engine(model, config, chat.stop_token_ids, args.tensor_parallel_size, load)
@@ -524,7 +544,9 @@ def run_config(
     requests = sum(len(c.turns) for c in conversations)
     # The limit cut the run short only if some turns were never sent.
     row = {
-        "config": name,
+        "config": name + (f", host tier {host_pages} pages" if host_pages else ""),
+        "host_pages": host_pages,
+        "host_hit_tokens": engine.cache.stats.host_hit_tokens,
         "backend": backend,
         "kv_cache_dtype": str(engine.kv_pool[0].dtype).removeprefix("torch."),
         "pool_bytes": sum(t.numel() * t.element_size() for t in engine.kv_pool),
@@ -570,6 +592,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--request-rate", type=float, default=0.0, help="conversations per second (Poisson); 0: --clients"
     )
+    ap.add_argument(
+        "--think-time",
+        type=ranged_float(0.0, 3600.0),
+        default=0.0,
+        help="mean seconds a user reads and types before the next turn (exponential), 0..3600; 0: none",
+    )
+    ap.add_argument(
+        "--host-pages",
+        type=str,
+        default="0",
+        help="comma-separated host tier sizes in pages, each a run of every configuration (0: none)",
+    )
     ap.add_argument("--system-tokens", type=int, default=300, help="length of the shared system prompt")
     ap.add_argument("--max-user-tokens", type=int, default=256)
     ap.add_argument("--max-reply-tokens", type=int, default=32)
@@ -611,6 +645,12 @@ def main(argv: list[str] | None = None) -> int:
     kv_dtypes = args.kv_cache_dtype.split(",")
     if not set(kv_dtypes) <= {"auto", "fp8"}:
         ap.error(f"--kv-cache-dtype: auto, fp8 or both comma-separated, got {args.kv_cache_dtype!r}")
+    try:
+        host_sizes = [int(x) for x in args.host_pages.split(",")]
+        if not all(0 <= x < 2**31 for x in host_sizes):
+            raise ValueError
+    except ValueError:
+        ap.error(f"--host-pages: comma-separated page counts in 0..2147483647, got {args.host_pages!r}")
     graph_modes = args.graphs.split(",")
     if not set(graph_modes) <= {"on", "off"}:
         ap.error(f"--graphs: on, off or both comma-separated, got {args.graphs!r}")
@@ -631,6 +671,7 @@ def main(argv: list[str] | None = None) -> int:
         + f", {args.num_pages} pages of {args.page_size}, budget {args.max_batched_tokens} tokens/step"
         + (", over HTTP (streamed /v1/completions on loopback)" if args.http else ", in process")
         + (f", tensor parallel over {tp} ranks" if (tp := args.tensor_parallel_size) > 1 else "")
+        + (f", think time {args.think_time:g} s mean (exponential)" if args.think_time > 0 else "")
     )
     print(workload, flush=True)
 
@@ -673,11 +714,22 @@ def main(argv: list[str] | None = None) -> int:
         for name in configs:
             for mode in modes:
                 for kv_dtype in kv_dtypes:
-                    results.append(
-                        run_config(
-                            model, chat, system, conversations, warm, args, backend, name, mode, kv_dtype
+                    for host_pages in host_sizes:
+                        results.append(
+                            run_config(
+                                model,
+                                chat,
+                                system,
+                                conversations,
+                                warm,
+                                args,
+                                backend,
+                                name,
+                                mode,
+                                kv_dtype,
+                                host_pages,
+                            )
                         )
-                    )
                 if args.device.startswith("cuda"):
                     torch.cuda.empty_cache()
                 # Written after every configuration, so that a run cut short keeps what it measured.
