@@ -72,6 +72,9 @@ class TierMachine(RuleBasedStateMachine):
         if batch is None:
             return
         assert batch.saves.dtype == np.int32 and batch.loads.dtype == np.int32
+        # A mover refuses a destination named twice in one batch.
+        assert len(set(batch.saves[:, 1].tolist())) == len(batch.saves)
+        assert len(set(batch.loads[:, 1].tolist())) == len(batch.loads)
         if fail:
             for _gpu, host in batch.saves.tolist():
                 self.host[host] = [POISON] * self.ps
@@ -371,3 +374,132 @@ def test_a_host_page_a_load_reads_is_not_saved_over() -> None:
     cache.transfers_done(batch)
     cache.close(seq)
     cache.check_invariants()
+
+
+def cached(cache: PrefixCache, prompt: list[int]) -> None:
+    """Compute and cache ``prompt`` (its copies taken and done at once)."""
+    seq = cache.admit(prompt)
+    batch = cache.take_transfers()
+    if batch is not None:
+        cache.transfers_done(batch)
+    cache.commit(seq, prompt[seq.num_tokens :])
+    cache.close(seq)
+
+
+def test_a_run_is_matched_on_the_host_only_once_its_save_is_done() -> None:
+    """A load never reads a page whose save may still fail: until the save's batch is done the run
+    is recomputed, and after a failed save it is gone."""
+    cache = PrefixCache(4, 2, host_pages=8)
+    chat = [1, 2, 3, 4, 9]
+    cached(cache, chat)
+    cache.evict(2)  # to the host, saves queued
+    assert cache.match_tiers(chat) == (0, 0)
+    batch = cache.take_transfers()
+    assert cache.match_tiers(chat) == (0, 0)  # taken, not done
+    cache.transfers_done(batch, ok=False)
+    assert cache.match_tiers(chat) == (0, 0) and cache.num_host_cached_pages == 0
+    cached(cache, chat)
+    cache.evict(2)
+    cache.transfers_done(cache.take_transfers())
+    assert cache.match_tiers(chat) == (0, 4)
+    cache.check_invariants()
+
+
+def test_a_failed_batch_drops_only_the_runs_it_wrote() -> None:
+    """Host pages reused by a later batch after a failed batch's run left them keep the later run."""
+    cache = PrefixCache(8, 2, host_pages=2)
+    first, second = [1, 2, 3, 4, 9], [5, 6, 7, 8, 9]
+    cached(cache, first)
+    cache.evict(8)
+    failing = cache.take_transfers()  # first -> host pages 0, 1; reported failed below
+    cached(cache, second)
+    cache.evict(8)  # second -> host: full, first dropped, second takes the pages
+    cache.transfers_done(cache.take_transfers())
+    assert cache.match_tiers(second) == (0, 4)
+    cache.transfers_done(failing, ok=False)
+    assert cache.match_tiers(second) == (0, 4)
+    cache.check_invariants()
+
+
+def test_a_batch_saves_into_each_host_page_once() -> None:
+    """A run that leaves a full host tier before its save is taken gives its pages to the next
+    run: the batch keeps the last save per host page (a mover refuses a page named twice)."""
+    cache = PrefixCache(6, 2, host_pages=2)
+    for prompt in ([1, 2, 3, 4, 9], [5, 6, 7, 8, 9]):
+        cached(cache, prompt)
+    seqs = [cache.admit([20, 21, 22, 23, 9]), cache.admit([30, 31, 32, 33, 9])]
+    batch = cache.take_transfers()
+    hosts = batch.saves[:, 1].tolist()
+    assert len(hosts) == len(set(hosts)) == 2
+    cache.transfers_done(batch)
+    for seq in seqs:
+        cache.close(seq)
+    assert cache.match_tiers([5, 6, 7, 8, 9])[1] == 4  # the second run, in those pages
+    cache.check_invariants()
+
+
+def test_a_hash_fn_error_while_caching_loaded_pages_falls_back() -> None:
+    from prefix_cache.cache.hashing import default_hash_fn
+
+    armed = [False]
+
+    def hash_fn(page: bytes, parent: int) -> int:
+        if armed[0] and page[:4] == (7).to_bytes(4, "little"):
+            raise RuntimeError("hash_fn failed")
+        return default_hash_fn(page, parent)
+
+    cache = PrefixCache(8, 2, host_pages=8, hash_fn=hash_fn)
+    cached(cache, [1, 2, 3, 4, 9])
+    cached(cache, [5, 6, 5, 6, 9])
+    cache.evict(8)
+    cache.transfers_done(cache.take_transfers())
+    x = cache.admit([1, 2, 3, 4, 7, 7, 9])
+    y = cache.admit([5, 6, 5, 6, 9])
+    batch = cache.take_transfers()
+    cache.commit(x, [7, 7, 9])  # committed while loading, in stream order after the loads
+    armed[0] = True
+    with pytest.raises(RuntimeError, match="hash_fn failed"):
+        cache.transfers_done(batch)
+    armed[0] = False
+    assert x.num_loading_tokens == 0 and x.num_tokens == 0  # falls back: recompute
+    assert y.num_loading_tokens == 0 and y.num_tokens == 4  # loaded
+    cache.check_invariants()
+    cache.close(x)
+    cache.close(y)
+    cache.check_invariants()
+
+
+def test_another_caches_batch_is_refused() -> None:
+    caches = [PrefixCache(4, 2, host_pages=8) for _ in range(2)]
+    batches = []
+    for cache in caches:
+        cached(cache, [1, 2, 3, 4, 9])
+        cache.evict(2)
+        batches.append(cache.take_transfers())
+    assert batches[0].ticket == batches[1].ticket
+    with pytest.raises(ValueError, match="not in flight"):
+        caches[1].transfers_done(batches[0])
+    caches[1].transfers_done(batches[1])
+
+
+def test_the_host_lru_keeps_few_stale_entries() -> None:
+    cache = PrefixCache(4, 2, host_pages=1000)
+    for _ in range(3000):
+        seq = cache.admit([1, 2, 3, 4, 9])
+        batch = cache.take_transfers()
+        if batch is not None:
+            cache.transfers_done(batch)
+        cache.commit(seq, [1, 2, 3, 4, 9][seq.num_tokens :])
+        cache.close(seq)
+        cache.evict(4)
+        cache.transfers_done(cache.take_transfers())
+    assert len(cache._tier.heap) <= 2 * cache._tree.num_host_nodes + 1024
+    cache.check_invariants()
+
+
+def test_closing_before_the_load_takes_back_the_hit() -> None:
+    cache, chats = evicted_to_host()
+    seq = cache.admit(chats[1] + [1])
+    assert cache.stats.host_hit_tokens == 8
+    cache.close(seq)
+    assert cache.stats.host_hit_tokens == 0 and cache.stats.hit_tokens == 0

@@ -194,13 +194,18 @@ class LLMEngine:
         if transfers is None:
             return batch
         handles = []
-        if len(transfers.saves):
-            handles.append(self.mover.save(transfers.saves[:, 0], transfers.saves[:, 1]))
-        if len(transfers.loads):
-            handles.append(self.mover.load(transfers.loads[:, 0], transfers.loads[:, 1]))
+        try:
+            if len(transfers.saves):
+                handles.append(self.mover.save(transfers.saves[:, 0], transfers.saves[:, 1]))
+            if len(transfers.loads):
+                handles.append(self.mover.load(transfers.loads[:, 0], transfers.loads[:, 1]))
+        except Exception:  # refused before any copy: reported failed below
+            ok = False
+        else:
+            # On CUDA an error of the copies themselves shows later, in the stream (sticky).
+            ok = all(handle.ok for handle in handles)
         for handle in handles:
             handle.wait_on()
-        ok = all(handle.ok for handle in handles)
         self.cache.transfers_done(transfers, ok=ok)
         if ok:
             return batch

@@ -42,6 +42,8 @@ if TYPE_CHECKING:
 
 
 _NO_PAIRS = np.empty((0, 2), dtype=np.int32)
+# Stale host LRU entries tolerated beyond twice the host-only runs.
+_HEAP_SLACK = 1024
 #: Runs up to this many pages move to the host whole when the pool needs part of one: a cut costs
 #: more than moving the rest of a short run, which is as old.
 SPLIT_PAGES = 64
@@ -72,10 +74,12 @@ class HostTier:
         "orphan",
         "pinned",
         "pins",
+        "ready",
         "saved_pages",
         "saves",
         "ticket",
         "tree",
+        "writer",
     )
 
     def __init__(self, tree: BlockTree, gpu_pool: PagePool, num_pages: int, events: EventLog | None) -> None:
@@ -95,6 +99,11 @@ class HostTier:
         self.pins = np.zeros(num_pages, dtype=np.int32)
         self.pinned = 0
         self.orphan = np.zeros(num_pages, dtype=bool)
+        #: Per host page, the batch whose save writes its present run's bytes (0 while the save is
+        #: not taken yet), and whether that save is done: only ready pages are matched, so a load
+        #: never reads a page whose save may still fail.
+        self.writer = np.zeros(num_pages, dtype=np.int64)
+        self.ready = np.zeros(num_pages, dtype=bool)
         #: Copies queued since the last ``take``: pairs of page id arrays (gpu, host) for saves,
         #: (host, gpu) for loads.
         self.saves: list[tuple[array, array]] = []
@@ -144,6 +153,9 @@ class HostTier:
                 self.num_cached += size
                 # A copy: a split of the run before the batch is taken cuts ``node.host`` in place.
                 self.saves.append((pages, array("i", host)))
+                ids = np.frombuffer(host, dtype=np.int32)
+                self.ready[ids] = False
+                self.writer[ids] = 0
                 if node.child is None and node.children is None:
                     self.push(node)
                 if events is not None:
@@ -196,7 +208,12 @@ class HostTier:
         tree = self.tree
         tree._serial += 1
         node.lru_serial = tree._serial
-        heapq.heappush(self.heap, (node.tick, tree._serial, node))
+        heap = self.heap
+        heapq.heappush(heap, (node.tick, tree._serial, node))
+        if len(heap) > 2 * tree.num_host_nodes + _HEAP_SLACK:
+            # Entries of runs loaded back or dropped outnumber the live ones: drop them.
+            self.heap = [entry for entry in heap if entry[2].lru_serial == entry[1]]
+            heapq.heapify(self.heap)
 
     def drop(self, node: Node) -> None:
         """Remove ``node`` and the host-only runs below it from the tree, deepest first, freeing
@@ -271,6 +288,9 @@ class HostTier:
             if child.pages is not None:
                 break
             same = tree._common_pages(child, data, pos, num_pages, extras)
+            ready = self.ready[np.frombuffer(child.host, dtype=np.int32, count=same)]
+            if not ready.all():
+                same = int(ready.argmin())  # its save is not done yet: matched from then on
             if not same:
                 break
             nodes.append(child)
@@ -317,7 +337,8 @@ class HostTier:
             i = self.loading.index(seq)
             del self.loading[i]
             del self.loads[i]
-        self.unpin(seq._load_host)
+        if seq._load_host is not None:
+            self.unpin(seq._load_host)
         seq._load_host = None
         seq._loading = 0
 
@@ -367,29 +388,50 @@ class HostTier:
         if not self.saves and not self.loads:
             return None
         self.ticket += 1
-        batch = Transfers(pairs(self.saves), pairs(self.loads), self.ticket)
+        saves = pairs(self.saves)
+        if len(saves):
+            # A host page saved twice in the batch (its first run left the host before the batch
+            # was taken, and another took the page): only the last save is its run's.
+            last = len(saves) - 1 - np.unique(saves[::-1, 1], return_index=True)[1]
+            if len(last) < len(saves):
+                saves = saves[np.sort(last)]
+            self.writer[saves[:, 1]] = self.ticket
+        batch = Transfers(saves, pairs(self.loads), self.ticket)
         self.saved_pages += len(batch.saves)
         for seq in self.loading:
             seq._load_ticket = self.ticket
-        self.in_flight[self.ticket] = self.loading
+        self.in_flight[self.ticket] = (batch, self.loading)
         self.saves = []
         self.loads = []
         self.loading = []
         return batch
 
-    def finish(self, batch: Transfers) -> list[Sequence]:
-        """Forget ``batch``; returns the sequences still waiting on its loads (their pins go)."""
-        seqs = self.in_flight.pop(batch.ticket)
-        waiting = [seq for seq in seqs if seq._owner is not None and seq._load_ticket == batch.ticket]
+    def in_flight_batch(self, batch: object) -> bool:
+        """Whether ``batch`` is one of this tier's batches taken and not yet done."""
+        entry = self.in_flight.get(getattr(batch, "ticket", None))
+        return entry is not None and entry[0] is batch
+
+    def finish(self, batch: Transfers, ok: bool) -> list[Sequence]:
+        """Forget ``batch``: its saves' pages are ready, or (failed) their runs leave the tree;
+        returns the sequences still waiting on its loads (their pins go, their loads are over)."""
+        _, seqs = self.in_flight.pop(batch.ticket)
+        ticket = batch.ticket
+        if len(batch.saves):
+            # Pages written by a later batch since, or freed, are not this batch's any more.
+            written = batch.saves[:, 1][self.writer[batch.saves[:, 1]] == ticket]
+            if ok:
+                self.ready[written] = True
+            elif len(written):
+                self.forget(set(written.tolist()))
+        waiting = [seq for seq in seqs if seq._owner is not None and seq._load_ticket == ticket]
         for seq in waiting:
             self.unpin(seq._load_host)
             seq._load_host = None
         return waiting
 
-    def forget_saves(self, batch: Transfers) -> None:
-        """The saves of ``batch`` failed: the runs still on the host in pages they wrote leave the
-        tree (with the host runs below them)."""
-        written = set(batch.saves[:, 1].tolist())
+    def forget(self, written: set[int]) -> None:
+        """Saves into host pages ``written`` failed: the runs on the host in them leave the tree
+        (with the host runs below them). None is loading: only ready pages are matched."""
         stale = [
             node
             for node in self.tree.nodes()
@@ -408,6 +450,8 @@ class HostTier:
         self.pins[:] = 0
         self.pinned = 0
         self.orphan[:] = False
+        self.writer[:] = 0
+        self.ready[:] = False
         self.saves = []
         self.loads = []
         self.loading = []

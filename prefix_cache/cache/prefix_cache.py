@@ -550,6 +550,9 @@ class PrefixCache:
             if seq._dirty:
                 self._store.flush_seq(seq)
             if seq._loading:
+                # Never loaded: not a hit after all.
+                self._hit_tokens -= seq._loading
+                self._host_hit_tokens -= seq._loading
                 self._tier.cancel(seq)
             tree = self._tree
             root = seq._root
@@ -612,7 +615,9 @@ class PrefixCache:
         (``num_cached_tokens`` and ``num_tokens`` drop to it, tokens committed after the loaded
         ones included; the block table keeps its pages, to be computed again), and the runs the
         batch's saves wrote leave the host tier. Either way the host pages its loads read are
-        released. Raises ValueError, changing nothing, for a batch that is not in flight.
+        released. Raises ValueError, changing nothing, for a batch that is not in flight. An
+        error of a caller's ``hash_fn`` while caching the loaded pages makes that sequence fall
+        back as for a failed load, and is raised once the whole batch is done.
         """
         if not isinstance(batch, Transfers):
             raise TypeError(f"expected Transfers from take_transfers, got {type(batch).__name__}")
@@ -622,23 +627,28 @@ class PrefixCache:
             self._concurrent()
         try:
             tier = self._tier
-            if tier is None or batch.ticket not in tier.in_flight:
+            if tier is None or not tier.in_flight_batch(batch):
                 raise ValueError(
                     f"transfer batch {batch.ticket} is not in flight (done twice, or not this cache's)"
                 )
-            for seq in tier.finish(batch):
+            failed: BaseException | None = None
+            waiting = tier.finish(batch, ok)
+            for seq in waiting:
                 loaded = seq._loading
                 seq._loading = 0
                 if ok:
-                    tier.loaded_pages += loaded // self._page_size
-                    self._store.store_full_pages(seq, seq._num_tokens)
-                else:
-                    seq._num_cached_tokens -= loaded
-                    seq._num_tokens = seq._num_cached_tokens
-                    self._hit_tokens -= loaded
-                    self._host_hit_tokens -= loaded
-            if not ok and len(batch.saves):
-                tier.forget_saves(batch)
+                    try:
+                        self._store.store_full_pages(seq, seq._num_tokens)
+                        tier.loaded_pages += loaded // self._page_size
+                        continue
+                    except Exception as error:  # a caller's hash_fn: this sequence recomputes
+                        failed = failed or error
+                seq._num_cached_tokens -= loaded
+                seq._num_tokens = seq._num_cached_tokens
+                self._hit_tokens -= loaded
+                self._host_hit_tokens -= loaded
+            if failed is not None:
+                raise failed
         finally:
             self._lock.release()
 
