@@ -76,14 +76,15 @@ def test_quantize_fp8_rounds_to_the_nearest_e4m3_value() -> None:
         assert torch.equal(got.view(torch.uint8), want.to(FP8_KV_DTYPE).view(torch.uint8)), scale
 
 
-def _pool(num_pages: int, page_size: int, heads: int, dim: int, layout: str):
+def _pool(num_pages: int, page_size: int, heads: int, dim: int, layout: str, device: str = "cpu"):
     """An fp8 pool of ``layout`` ("nhd": one 5-D tensor; "hnd": K and V as transposed views of
-    [pages, H, page_size, D]) filled with NaN bits, so an unwritten slot cannot pass."""
+    [pages, H, page_size, D]) on ``device``, filled with NaN bits, so an unwritten slot cannot
+    pass."""
     if layout == "nhd":
-        pool = torch.full((num_pages, 2, page_size, heads, dim), float("nan")).to(FP8_KV_DTYPE)
+        pool = torch.full((num_pages, 2, page_size, heads, dim), float("nan"), device=device).to(FP8_KV_DTYPE)
         return pool, pool[:, 0], pool[:, 1]
-    k = torch.full((num_pages, heads, page_size, dim), float("nan")).to(FP8_KV_DTYPE)
-    v = torch.full((num_pages, heads, page_size, dim), float("nan")).to(FP8_KV_DTYPE)
+    k = torch.full((num_pages, heads, page_size, dim), float("nan"), device=device).to(FP8_KV_DTYPE)
+    v = torch.full((num_pages, heads, page_size, dim), float("nan"), device=device).to(FP8_KV_DTYPE)
     return (k.transpose(1, 2), v.transpose(1, 2)), k.transpose(1, 2), v.transpose(1, 2)
 
 
@@ -91,8 +92,11 @@ def _pool(num_pages: int, page_size: int, heads: int, dim: int, layout: str):
 def test_append_kv_quantizes_bit_for_bit(layout: str, dtype: torch.dtype) -> None:
     """``append_kv`` into an fp8 pool stores exactly ``quantize_fp8`` of K and V with their scales
     (saturating, rounding ties to even); slots of -1 are skipped; the dequantized values are within
-    half an e4m3 step of the input."""
+    half an e4m3 step of the input. The kernel runs on the GPU where there is one (else in Triton's
+    interpreter); the reference quantizer on the CPU."""
     from prefix_cache.kernels import append_kv
+
+    device = "cuda" if HAS_CUDA else "cpu"
 
     heads, dim, page_size = 2, 32, 8
     values = _hard_values().to(dtype).float()
@@ -102,8 +106,9 @@ def test_append_kv_quantizes_bit_for_bit(layout: str, dtype: torch.dtype) -> Non
     slots = torch.randperm(n + 5, generator=torch.Generator().manual_seed(1))[:n]
     slots[3] = -1
     num_pages = -(-(n + 5) // page_size)
-    pool, k_pool, v_pool = _pool(num_pages, page_size, heads, dim, layout)
-    append_kv(pool, k, v, slots, k_scale=K_SCALE, v_scale=V_SCALE)
+    pool, k_pool, v_pool = _pool(num_pages, page_size, heads, dim, layout, device)
+    append_kv(pool, k.to(device), v.to(device), slots.to(device), k_scale=K_SCALE, v_scale=V_SCALE)
+    k_pool, v_pool = k_pool.cpu(), v_pool.cpu()
     written = slots >= 0
     pages, offsets = slots[written] // page_size, slots[written] % page_size
     for stored, x, scale in ((k_pool, k, K_SCALE), (v_pool, v, V_SCALE)):
