@@ -501,6 +501,12 @@ def plot(results: list[dict], path: Path, title: str) -> bool:
     return True
 
 
+def host_page_counts(text: str) -> list[int]:
+    """``--host-pages``: comma-separated host tier sizes, each in 0..2**31 - 1."""
+    parse = ranged_int(0, 2**31 - 1)
+    return [parse(part) for part in text.split(",")]
+
+
 def run_config(
     model: object,
     chat: ChatFormat,
@@ -600,8 +606,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--host-pages",
-        type=str,
-        default="0",
+        type=host_page_counts,
+        default=[0],
         help="comma-separated host tier sizes in pages, each a run of every configuration (0: none)",
     )
     ap.add_argument("--system-tokens", type=int, default=300, help="length of the shared system prompt")
@@ -645,12 +651,6 @@ def main(argv: list[str] | None = None) -> int:
     kv_dtypes = args.kv_cache_dtype.split(",")
     if not set(kv_dtypes) <= {"auto", "fp8"}:
         ap.error(f"--kv-cache-dtype: auto, fp8 or both comma-separated, got {args.kv_cache_dtype!r}")
-    try:
-        host_sizes = [int(x) for x in args.host_pages.split(",")]
-        if not all(0 <= x < 2**31 for x in host_sizes):
-            raise ValueError
-    except ValueError:
-        ap.error(f"--host-pages: comma-separated page counts in 0..2147483647, got {args.host_pages!r}")
     graph_modes = args.graphs.split(",")
     if not set(graph_modes) <= {"on", "off"}:
         ap.error(f"--graphs: on, off or both comma-separated, got {args.graphs!r}")
@@ -714,7 +714,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in configs:
             for mode in modes:
                 for kv_dtype in kv_dtypes:
-                    for host_pages in host_sizes:
+                    for host_pages in args.host_pages:
                         results.append(
                             run_config(
                                 model,

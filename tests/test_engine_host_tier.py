@@ -101,3 +101,53 @@ def test_failed_loads_are_computed_instead() -> None:
 def test_host_pages_are_checked() -> None:
     with pytest.raises(ValueError, match="host_pages"):
         EngineConfig(host_pages=-1)
+
+
+def test_a_sample_sits_out_while_its_loads_run_and_the_others_go_on() -> None:
+    """Loads that take several steps (a slow copy, simulated): the samples waiting for them are
+    left out of those steps' batches while the others are computed, then join with the same
+    greedy tokens as an ample pool's."""
+    expected, _ = run(num_pages=512, host_pages=0)
+    model = LlamaModel.dummy(CONFIG, "cpu", torch.float32, seed=2)
+    config = EngineConfig(
+        num_pages=48,
+        page_size=4,
+        backend="torch",
+        host_pages=512,
+        scheduler=SchedulerConfig(max_batched_tokens=256, max_num_seqs=4),
+    )
+    engine = LLMEngine(model, config)
+    load = engine.mover.load
+    waited = []
+
+    class Slow:
+        """A load handle done only after three polls."""
+
+        def __init__(self, handle) -> None:
+            self.handle, self.polls = handle, 0
+
+        @property
+        def ok(self) -> bool:
+            return self.handle.ok
+
+        def done(self) -> bool:
+            self.polls += 1
+            if self.polls <= 3:
+                waited.append([s for s in engine.scheduler.running if s.seq.num_loading_tokens])
+            return self.polls > 3 and self.handle.done()
+
+    engine.mover.load = lambda *args, **kwargs: Slow(load(*args, **kwargs))
+    overlapped = []
+    run_step = engine._run
+
+    def recording(batch):
+        # No sample of a batch reads pages still loading; others run meanwhile.
+        assert not any(s.seq.num_loading_tokens for s, _ in batch)
+        overlapped.append(any(s.seq.num_loading_tokens for s in engine.scheduler.running))
+        return run_step(batch)
+
+    engine._run = recording
+    got = conversations(engine)
+    assert engine.cache.stats.host_hit_tokens > 0 and waited and any(overlapped)
+    for a, b in zip(got, expected, strict=True):
+        np.testing.assert_array_equal(a, b)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from itertools import count
 
@@ -120,6 +121,8 @@ class LLMEngine:
         self.runner = runner or ModelRunner(model, config, self.planner.max_levels)
         self.kv_pool, self.backend, self.graphs = self.runner.kv_pool, self.runner.backend, self.runner.graphs
         self.mover = None
+        # Batches of copies on the mover's stream, oldest first, with their handles.
+        self._copies: deque = deque()
         if config.host_pages:
             from prefix_cache.offload import HostKVPool, KVMover
 
@@ -185,37 +188,32 @@ class LLMEngine:
             return self._fail({s.request: error for s, _ in batch})
 
     def _transfer(self, batch: list[tuple[Sample, int]]) -> list[tuple[Sample, int]]:
-        """The copies the cache asks for this step, queued on the mover's stream before the forward
-        (which waits for them on the device): saves of evicted prefixes, then loads of prefixes
-        found on the host, whose tokens this step's batch may already build on. When a batch of
-        copies fails, the samples whose loads it held leave this step and compute those tokens in
-        the next ones."""
+        """The copies the cache asks for this step, on the mover's stream: the saves of evicted
+        prefixes before this step's forward (which waits for them on the device, as it may write
+        their pages), the loads of prefixes found on the host in the background. A sample whose
+        loads are not done yet sits out until they are (other requests keep running); when they
+        fail, it computes those tokens instead. Returns this step's batch without such samples."""
         transfers = self.cache.take_transfers()
-        if transfers is None:
-            return batch
-        handles = []
-        try:
-            if len(transfers.saves):
-                handles.append(self.mover.save(transfers.saves[:, 0], transfers.saves[:, 1]))
-            if len(transfers.loads):
-                handles.append(self.mover.load(transfers.loads[:, 0], transfers.loads[:, 1]))
-        except Exception:  # refused before any copy: reported failed below
-            ok = False
-        else:
-            # On CUDA an error of the copies themselves shows later, in the stream (sticky).
-            ok = all(handle.ok for handle in handles)
-        for handle in handles:
-            handle.wait_on()
-        self.cache.transfers_done(transfers, ok=ok)
-        if ok:
-            return batch
-        kept = []
-        for s, n in batch:
-            if s.seq.num_tokens < s.num_computed:  # its loads failed: recompute from its GPU prefix
-                s.num_computed = s.seq.num_tokens
+        if transfers is not None:
+            saved = loaded = None
+            try:
+                if len(transfers.saves):
+                    saved = self.mover.save(transfers.saves[:, 0], transfers.saves[:, 1])
+                    saved.wait_on()
+                if len(transfers.loads):
+                    loaded = self.mover.load(transfers.loads[:, 0], transfers.loads[:, 1])
+            except Exception:  # refused before any copy: the batch fails
+                self.cache.transfers_done(transfers, ok=False)
             else:
-                kept.append((s, n))
-        return kept
+                self._copies.append((transfers, [h for h in (saved, loaded) if h is not None]))
+        while self._copies and all(handle.done() for handle in self._copies[0][1]):
+            transfers, handles = self._copies.popleft()
+            # On CUDA an error of the copies themselves shows in the stream (sticky), not here.
+            self.cache.transfers_done(transfers, ok=all(handle.ok for handle in handles))
+        for s in self.scheduler.running:
+            if s.num_computed > s.seq.num_tokens:  # its loads failed: compute from its GPU prefix
+                s.num_computed = s.seq.num_tokens
+        return [(s, n) for s, n in batch if not s.seq.num_loading_tokens]
 
     def _run(self, batch: list[tuple[Sample, int]]) -> list[Sample]:
         cache, ps = self.cache, self.config.page_size

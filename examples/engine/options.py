@@ -132,7 +132,8 @@ def check_tensor_parallel(ap: argparse.ArgumentParser, args: argparse.Namespace)
     from .tensor_parallel import check_tensor_parallel_size
 
     size = args.tensor_parallel_size
-    if size > 1 and getattr(args, "host_pages", 0):
+    host_pages = getattr(args, "host_pages", 0)  # a list where each size is a run (bench_serving.py)
+    if size > 1 and (any(host_pages) if isinstance(host_pages, list) else host_pages):
         ap.error("argument --host-pages: a host tier runs in one process, not with --tensor-parallel-size 2+")
     try:
         if args.model in MODELS:  # an unknown model is refused where it is loaded

@@ -65,8 +65,10 @@ class Scheduler:
         the pages allocated. Samples the budget leaves out this step keep their state."""
         budget = self.config.max_batched_tokens
         batch: dict[Sample, int] = {}
-        decoding = [s for s in self.running if s.num_tokens - s.num_computed == 1]
-        prefilling = [s for s in self.running if s.num_tokens - s.num_computed > 1]
+        # A sample whose prefix is still loading from the host tier sits out until it is there.
+        ready = [s for s in self.running if not s.seq.num_loading_tokens]
+        decoding = [s for s in ready if s.num_tokens - s.num_computed == 1]
+        prefilling = [s for s in ready if s.num_tokens - s.num_computed > 1]
         for s in decoding + prefilling:
             if budget == 0:
                 break
@@ -85,11 +87,12 @@ class Scheduler:
         return list(batch.items())
 
     def _allocate_or_preempt(self, s: Sample, n: int, batch: dict[Sample, int]) -> bool:
-        """Allocate ``n`` slots for ``s``, preempting the youngest running samples until they fit;
+        """Allocate slots for ``s``'s next ``n`` tokens (those not reserved yet: a sample that sat
+        out a step kept its reservation), preempting the youngest running samples until they fit;
         False when ``s`` itself was the youngest and got preempted."""
         while True:
             try:
-                self.cache.allocate(s.seq, n)
+                self.cache.allocate(s.seq, max(0, s.num_computed + n - s.seq.num_allocated_tokens))
                 return True
             except OutOfPages:
                 victim = max(self.running, key=lambda r: r.admitted_at)
