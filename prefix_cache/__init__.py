@@ -17,6 +17,7 @@ from prefix_cache.cache import (
     PrefixCache,
     PrefixCacheError,
     Sequence,
+    Transfers,
 )
 from prefix_cache.planner import CascadeLevel, CascadePlan, CascadePlanner
 
@@ -34,5 +35,6 @@ __all__ = [
     "PrefixCache",
     "PrefixCacheError",
     "Sequence",
+    "Transfers",
 ]
 __version__ = "0.1.0"

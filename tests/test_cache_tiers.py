@@ -18,8 +18,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from prefix_cache import OutOfPages, PrefixCache
-from prefix_cache.cache.transfers import Transfers
+from prefix_cache import OutOfPages, PrefixCache, Transfers
 from prefix_cache.events import BlockIndex
 
 VOCAB = 3

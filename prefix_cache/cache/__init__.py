@@ -10,6 +10,7 @@ from prefix_cache.cache.events import AllBlocksCleared, BlockRemoved, BlockStore
 from prefix_cache.cache.prefix_cache import PrefixCache
 from prefix_cache.cache.sequence import Sequence
 from prefix_cache.cache.stats import CacheStats
+from prefix_cache.cache.transfers import Transfers
 
 __all__ = [
     "AllBlocksCleared",
@@ -23,4 +24,5 @@ __all__ = [
     "PrefixCache",
     "PrefixCacheError",
     "Sequence",
+    "Transfers",
 ]
