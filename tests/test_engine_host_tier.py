@@ -55,9 +55,11 @@ def run(
     if fail_loads:
         load = engine.mover.load
 
-        def cancelled(*args, **kwargs):
-            handle = load(*args, **kwargs)
-            handle.cancel()  # as if the copy failed: the pages hold what the load wrote, unconfirmed
+        def cancelled(host_pages, gpu_pages):
+            handle = load(host_pages, gpu_pages)
+            handle.cancel()  # as if the copy failed, leaving garbage in the pages it was to write
+            for layer in engine.kv_pool:
+                layer[torch.as_tensor(np.asarray(gpu_pages, dtype=np.int64))] = float("nan")
             return handle
 
         engine.mover.load = cancelled

@@ -193,6 +193,7 @@ class LLMEngine:
         their pages), the loads of prefixes found on the host in the background. A sample whose
         loads are not done yet sits out until they are (other requests keep running); when they
         fail, it computes those tokens instead. Returns this step's batch without such samples."""
+        failed = False
         transfers = self.cache.take_transfers()
         if transfers is not None:
             saved = loaded = None
@@ -204,13 +205,16 @@ class LLMEngine:
                     loaded = self.mover.load(transfers.loads[:, 0], transfers.loads[:, 1])
             except Exception:  # refused before any copy: the batch fails
                 self.cache.transfers_done(transfers, ok=False)
+                failed = True
             else:
                 self._copies.append((transfers, [h for h in (saved, loaded) if h is not None]))
         while self._copies and all(handle.done() for handle in self._copies[0][1]):
             transfers, handles = self._copies.popleft()
             # On CUDA an error of the copies themselves shows in the stream (sticky), not here.
-            self.cache.transfers_done(transfers, ok=all(handle.ok for handle in handles))
-        for s in self.scheduler.running:
+            ok = all(handle.ok for handle in handles)
+            self.cache.transfers_done(transfers, ok=ok)
+            failed |= not ok
+        for s in self.scheduler.running if failed else ():
             if s.num_computed > s.seq.num_tokens:  # its loads failed: compute from its GPU prefix
                 s.num_computed = s.seq.num_tokens
         return [(s, n) for s, n in batch if not s.seq.num_loading_tokens]

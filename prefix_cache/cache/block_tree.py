@@ -137,13 +137,7 @@ class BlockTree:
         while pos < num_pages:
             child = node.child
             if child is None:
-                children = node.children
-                if children is None:
-                    break
-                ident = data[pos * pb : (pos + 1) * pb]
-                if extras is not None:
-                    ident += extras[pos]
-                child = children.get(ident)
+                child = self.child_among(node, data, pos, extras)
                 if child is None:
                     break
             pages = child.pages
@@ -172,6 +166,18 @@ class BlockTree:
                 continue
             break
         return Walk(nodes, pos, 0)
+
+    def child_among(self, node: Node, data: bytes, pos: int, extras: list[bytes] | None) -> Node | None:
+        """The child of ``node`` (which has none in ``child``) whose run starts with page ``pos`` of
+        ``data`` (with its extra identity bytes), None when there is none."""
+        children = node.children
+        if children is None:
+            return None
+        pb = self.page_bytes
+        ident = data[pos * pb : (pos + 1) * pb]
+        if extras is not None:
+            ident += extras[pos]
+        return children.get(ident)
 
     def _common_pages(
         self, node: Node, data: bytes, pos: int, num_pages: int, extras: list[bytes] | None

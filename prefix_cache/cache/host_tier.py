@@ -62,7 +62,6 @@ class HostTier:
     __slots__ = (
         "events",
         "evicted_pages",
-        "free",
         "gpu_pool",
         "heap",
         "in_flight",
@@ -74,6 +73,7 @@ class HostTier:
         "orphan",
         "pinned",
         "pins",
+        "pool",
         "ready",
         "saved_pages",
         "saves",
@@ -87,8 +87,8 @@ class HostTier:
         self.gpu_pool = gpu_pool
         self.num_pages = num_pages
         self.events = events
-        #: Host pages holding nothing (a stack, like ``PagePool.free``).
-        self.free = PagePool(num_pages).free
+        #: Host pages holding nothing.
+        self.pool = PagePool(num_pages)
         #: Host pages of runs on the host.
         self.num_cached = 0
         #: Host-only leaves, the host's eviction candidates: ``(tick, serial, node)``, an entry
@@ -146,7 +146,7 @@ class HostTier:
             if events is not None:
                 events.emit((list(node.keys), root.namespace))
             if self.make_room(size):
-                host = self.take(size)
+                host = self.pool.take(size)
                 node.host = host
                 node.pages = None
                 tree.num_host_nodes += 1
@@ -187,7 +187,7 @@ class HostTier:
         released first; False (having evicted what it could) when that is not enough."""
         if count > self.num_pages:
             return False
-        free = self.free
+        free = self.pool.free
         heap = self.heap
         while len(free) < count:
             while heap and heap[0][2].lru_serial != heap[0][1]:
@@ -196,12 +196,6 @@ class HostTier:
                 return False
             self.drop(heapq.heappop(heap)[2])
         return True
-
-    def take(self, count: int) -> array:
-        """Pop ``count`` free host pages (``make_room`` first)."""
-        pages = self.free[: -count - 1 : -1]
-        del self.free[-count:]
-        return pages
 
     def push(self, node: Node) -> None:
         """``node``, host-only, became a leaf: it is an eviction candidate with its own tick."""
@@ -254,12 +248,12 @@ class HostTier:
     def release_pages(self, pages: array) -> None:
         """Host pages whose run let go of them: free, or orphaned while a load reads them."""
         if not self.pinned:
-            self.free += pages
+            self.pool.free += pages
             return
         ids = np.frombuffer(pages, dtype=np.int32)
         pinned = self.pins[ids] > 0
         self.orphan[ids[pinned]] = True
-        self.free.frombytes(ids[~pinned].tobytes())
+        self.pool.free.frombytes(ids[~pinned].tobytes())
 
     # ------------------------------------------------------------------ matching and loading
 
@@ -269,20 +263,13 @@ class HostTier:
         identity bytes ``extras`` or None): a ``Walk`` whose ``pages`` counts the pages found on
         the host only. Changes nothing."""
         tree = self.tree
-        pb = tree.page_bytes
         nodes: list[Node] = []
         node = start
         found = 0
         while pos < num_pages:
             child = node.child
             if child is None:
-                children = node.children
-                if children is None:
-                    break
-                ident = data[pos * pb : (pos + 1) * pb]
-                if extras is not None:
-                    ident += extras[pos]
-                child = children.get(ident)
+                child = tree.child_among(node, data, pos, extras)
                 if child is None:
                     break
             if child.pages is not None:
@@ -323,7 +310,7 @@ class HostTier:
         freed = ids[(pins[ids] == 0) & self.orphan[ids]]
         if len(freed):
             self.orphan[freed] = False
-            self.free.frombytes(freed.tobytes())
+            self.pool.free.frombytes(freed.tobytes())
 
     def queue_load(self, seq: Sequence, host: array, gpu: np.ndarray) -> None:
         """Queue the loads of ``seq``'s host pages ``host`` (pinned) into its GPU pages ``gpu``."""
@@ -444,7 +431,7 @@ class HostTier:
     def clear(self) -> None:
         """Free every host page (``PrefixCache.reset``; no sequence is open, so none is pinned) and
         forget the copies not yet taken."""
-        self.free = PagePool(self.num_pages).free
+        self.pool = PagePool(self.num_pages)
         self.num_cached = 0
         self.heap = []
         self.pins[:] = 0

@@ -96,7 +96,7 @@ class InvariantChecker:
         cached = sum(len(node.host) for node in host_only)
         if cached != tier.num_cached:
             self.fail(f"{cached} host pages cached, counter says {tier.num_cached}")
-        for page in tier.free:
+        for page in tier.pool.free:
             self.book_host(page, "free on the host")
             if tier.pins[page]:
                 self.fail(f"host page {page} is free while a load reads it")

@@ -182,7 +182,7 @@ class PrefixCache(HostTierCalls):
         if tier is not None:
             host = {
                 "host_pages": tier.num_pages,
-                "free_host_pages": len(tier.free),
+                "free_host_pages": len(tier.pool.free),
                 "host_cached_pages": tier.num_cached,
                 "saved_pages": tier.saved_pages,
                 "loaded_pages": tier.loaded_pages,

@@ -33,6 +33,7 @@ from prefix_cache.events.subscriber import KVEventSubscriber
 from prefix_cache.replay.clock import ThinkingUsers, ThinkTime
 from prefix_cache.replay.conversation import Conversation, Workload
 from prefix_cache.replay.oracle import UnlimitedPrefixIndex
+from prefix_cache.replay.report import aligned
 from prefix_cache.replay.routing import MAX_REPLICAS, make_router
 
 # The per-request and per-user state of the single-engine scheduler, reused as is.
@@ -313,14 +314,7 @@ def format_cluster_report(
         )
         for r in results
     ]
-    widths = [max(len(row[i]) for row in [columns, *rows]) for i in range(len(columns))]
-    lines = [
-        "  ".join(
-            cell.ljust(w) if i == 0 else cell.rjust(w)
-            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
-        )
-        for row in [columns, *rows]
-    ]
+    lines = aligned(columns, rows)
     notes = [
         "",
         "hit rate: cached / prompt tokens over all replicas; unlimited: the best possible with unlimited",

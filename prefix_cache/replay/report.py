@@ -2,8 +2,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from prefix_cache.replay.conversation import Workload
 from prefix_cache.replay.simulator import ReplayResult, SchedulerConfig
+
+
+def aligned(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    """A plain-text table: the header ``columns`` and ``rows`` of cells, the first column aligned
+    left, the others right, two spaces apart."""
+    widths = [max(len(row[i]) for row in [columns, *rows]) for i in range(len(columns))]
+    return [
+        "  ".join(
+            cell.ljust(w) if i == 0 else cell.rjust(w)
+            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+        )
+        for row in [columns, *rows]
+    ]
 
 
 def format_report(workload: Workload, config: SchedulerConfig, res: ReplayResult, working_set: int) -> str:
@@ -96,14 +111,7 @@ def format_tier_table(
             share = res.hit_rate / unlimited.hit_rate if unlimited.hit_rate else 0.0
             row.insert(5, f"{share:.1%}")
         rows.append(row)
-    widths = [max(len(row[i]) for row in [columns, *rows]) for i in range(len(columns))]
-    lines = [
-        "  ".join(
-            cell.ljust(w) if i == 0 else cell.rjust(w)
-            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
-        )
-        for row in [columns, *rows]
-    ]
+    lines = aligned(columns, rows)
     notes = [
         "",
         "host pool: the host tier in GPU pools (its pages in host pages); hit rate: cached / prompt tokens;",
