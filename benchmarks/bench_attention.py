@@ -97,6 +97,7 @@ CASES = (
     Case("1 prefix 256 x 8 req, 256 own", ((1, 256),), 8, (256,), (1,)),
     Case("SmolLM2 9/3 d64, prefix 4096 x 64", ((1, 4096),), 64, (256,), (1,), hq=9, hkv=3, d=64),
     Case("8 req x 1024, nothing shared", (), 8, (1024,), (1,)),
+    Case("64 req x 4096, nothing shared", (), 64, (4096,), (1,)),
     Case("1 req x 256", (), 1, (256,), (1,)),
     Case(
         "64 decodes + 4 prefill chunks of 512 over a 4096 prefix",

@@ -14,6 +14,11 @@ queuing the batch). The arms:
 - ``save, scattered`` / ``load, scattered``: the same with the host pages in random order (one copy
   per page: the worst case).
 
+``--overlap N`` also times a decode-step stand-in (``--layers`` matmuls of a 64-token batch by
+[4096, 12288] bf16 weights, 3 GiB read per step, memory-bound as a decode step is) alone and while
+the mover keeps a save of N pages in flight on its side stream the whole time: what the model's
+step loses to background saves.
+
 Every mover arm is checked once per size: a scattered save then a load into other pages reproduces
 the saved pages bitwise ("bitwise" column). The default shapes are Llama-3-8B's (32 layers, 8 KV
 heads of 128, page 16, bf16: 2 MiB a page). ``--layouts`` picks the KV pools, each measured in turn:
@@ -147,6 +152,48 @@ def bench_size(n: int, mover: KVMover, kv_caches, flat_gpu, flat_host, rounds: i
     return row
 
 
+def overlap_row(mover: KVMover, pages: int, layers: int, rounds: int, rng) -> dict:
+    """Median ms of a decode-step stand-in alone and with saves of ``pages`` pages always in flight,
+    alternating over ``rounds`` rounds of 20 steps; and the saves' GB/s while overlapped."""
+    weights = torch.randn(layers, 4096, 12288, device="cuda").to(torch.bfloat16)
+    x = torch.randn(64, 4096, device="cuda").to(torch.bfloat16)
+    src = rng.choice(mover.num_pages, pages, replace=False)
+    dst = rng.choice(mover.host_pool.num_pages, pages, replace=False)
+    steps = 20
+
+    def run(saving: bool) -> tuple[float, int]:
+        handle, saves = None, 0
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            if saving and (handle is None or handle.done()):
+                handle, saves = mover.save(src, dst), saves + 1
+            for layer in range(layers):
+                torch.matmul(x, weights[layer])
+        end.record()
+        end.synchronize()
+        if handle is not None:
+            handle.wait()
+        return start.elapsed_time(end) / steps, saves
+
+    run(False), run(True)  # warm-up
+    alone, overlapped, saved = [], [], 0
+    for _ in range(rounds):
+        alone.append(run(False)[0])
+        ms, saves = run(True)
+        overlapped.append(ms)
+        saved += saves
+    row = {
+        "pages": pages,
+        "step_ms": statistics.median(alone),
+        "step_ms_saving": statistics.median(overlapped),
+    }
+    row["ratio"] = row["step_ms_saving"] / row["step_ms"]
+    row["save_gb_per_s"] = saved * pages * mover.host_pool.page_bytes / (sum(overlapped) * steps * 1e-3) / 1e9
+    return row
+
+
 def markdown(rows: list[dict]) -> str:
     head = (
         "| layout (ops per chunk) | pages | MiB | copy_ save GB/s | save GB/s | save / copy_ "
@@ -209,6 +256,12 @@ def main() -> None:
     parser.add_argument("--staging-pages", type=positive_int, default=None, help="the mover's staging buffer")
     parser.add_argument("--out", default="benchmarks/results/local", help="folder for the JSON and markdown")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, to check the script")
+    parser.add_argument(
+        "--overlap",
+        type=positive_int,
+        default=None,
+        help="also time a decode-step stand-in alone and with saves of this many pages in flight (CUDA)",
+    )
     args = parser.parse_args()
     cuda = torch.cuda.is_available() and not args.smoke
     if not cuda and not args.smoke:
@@ -247,7 +300,7 @@ def main() -> None:
     }
     print(json.dumps(meta), flush=True)
     rng = np.random.default_rng(0)
-    rows = []
+    rows, overlap = [], None
     for layout in args.layouts:
         kv_caches = kv_pool(
             layout, args.layers, 2 * largest, args.page_size, args.kv_heads, args.head_dim, dtype, device
@@ -261,13 +314,24 @@ def main() -> None:
                 f"load {row['load']['of_copy']:.2f}",
                 flush=True,
             )
+        if cuda and args.overlap and layout == args.layouts[0]:
+            overlap = overlap_row(mover, min(args.overlap, largest), args.layers, args.rounds, rng)
+            print(f"overlap: {json.dumps(overlap)}", flush=True)
         del kv_caches, mover
     table = markdown(rows)
+    if overlap:
+        table += (
+            f"\n\nDecode-step stand-in ({args.layers} matmuls of 64 x 4096 by 4096 x 12288 bf16), alone "
+            f"and with saves of {overlap['pages']} pages always in flight (medians of {args.rounds} "
+            f"rounds of 20 steps): {overlap['step_ms']:.3f} ms alone, {overlap['step_ms_saving']:.3f} ms "
+            f"saving ({overlap['ratio']:.3f}x); the saves moved {overlap['save_gb_per_s']:.1f} GB/s "
+            "meanwhile."
+        )
     print(table)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = "offload_smoke" if not cuda else "offload_" + re.sub(r"[^a-z0-9]+", "_", meta["device"].lower())
-    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows, "overlap": overlap}, indent=1))
     (out / f"{stem}.md").write_text(
         f"# The mover's bandwidth against a pinned copy_\n\n{json.dumps(meta)}\n\n{table}\n"
     )
