@@ -342,9 +342,12 @@ class PrefixCache(HostTierCalls):
         try:
             if num_tokens == 1:
                 # One more page, the decode loop's case, written out: a free page onto the end of
-                # the block table. An empty pool or a full table raise IndexError before anything
-                # changes (a page popped for a full table goes back where it was).
+                # the block table. From an empty pool, the decode step's pages are evicted in one
+                # batch first. A full table raises IndexError before anything changes (the page
+                # goes back where it was); an empty pool even so, too.
                 free = self._free
+                if not free and self._tree.num_unreferenced:
+                    self._store.evict(-(-len(self._live) // self._page_size))
                 try:
                     page = free.pop()
                 except IndexError:
@@ -360,9 +363,6 @@ class PrefixCache(HostTierCalls):
                         seq._capacity = end - 1 + self._page_size
                         seq._num_allocated = end
                         return
-                if not free and self._tree.num_unreferenced:
-                    # From an empty pool, evict the decode step's pages in one batch first.
-                    self._store.evict(-(-len(self._live) // self._page_size))
             self._store.allocate(seq, end)
         finally:
             baton.append(None)
