@@ -340,14 +340,15 @@ class PrefixCache(HostTierCalls):
         except IndexError:
             self._concurrent()
         try:
-            if num_tokens == 1:
+            page_size = self._page_size
+            if end <= seq._capacity + page_size:
                 # One more page, the decode loop's case, written out: a free page onto the end of
                 # the block table. From an empty pool, the decode step's pages are evicted in one
                 # batch first. A full table raises IndexError before anything changes (the page
-                # goes back where it was); an empty pool even so, too.
+                # goes back where it was), and so does an empty pool.
                 free = self._free
                 if not free and self._tree.num_unreferenced:
-                    self._store.evict(-(-len(self._live) // self._page_size))
+                    self._store.evict(-(-len(self._live) // page_size))
                 try:
                     page = free.pop()
                 except IndexError:
@@ -360,7 +361,7 @@ class PrefixCache(HostTierCalls):
                         free.append(page)
                     else:
                         seq._num_pages = count + 1
-                        seq._capacity = end - 1 + self._page_size
+                        seq._capacity += page_size
                         seq._num_allocated = end
                         return
             self._store.allocate(seq, end)
