@@ -22,11 +22,14 @@ from prefix_cache.cache.tree_nodes import Node
 #: parent_block_hash, token_bytes, namespace, extra_keys)``, tokens still as int32 bytes;
 #: removed: ``(block_hashes, namespace)``; both on the GPU. The same with the medium last
 #: (``"CPU"`` for the host tier): ``(block_hashes, parent_block_hash, token_bytes, namespace,
-#: extra_keys, medium)`` and ``(block_hashes, namespace, medium)``.
-PendingStored = tuple[list[int], int | None, bytes, Namespace, list[bytes | None] | None]
-PendingStoredOn = tuple[list[int], int | None, bytes, Namespace, list[bytes | None] | None, str]
-PendingRemoved = tuple[list[int], Namespace]
-PendingRemovedOn = tuple[list[int], Namespace, str]
+#: extra_keys, medium)`` and ``(block_hashes, namespace, medium)``. The log keeps ``block_hashes``
+#: as a tuple: a backlog of lists would be traversed by every pass of the cyclic garbage collector
+#: (inside whichever cache call set it off), while a tuple of ints, bytes and such tuples drops out
+#: of its sight at its first pass.
+PendingStored = tuple[tuple[int, ...], int | None, bytes, Namespace, list[bytes | None] | None]
+PendingStoredOn = tuple[tuple[int, ...], int | None, bytes, Namespace, list[bytes | None] | None, str]
+PendingRemoved = tuple[tuple[int, ...], Namespace]
+PendingRemovedOn = tuple[tuple[int, ...], Namespace, str]
 Pending = KVCacheEvent | PendingStored | PendingStoredOn | PendingRemoved | PendingRemovedOn
 
 
@@ -60,6 +63,8 @@ class EventLog:
             size = 8 * len(event[0]) + (len(event[2]) if len(event) > 4 else 0)
         pending = self.pending
         if len(pending) < self.max_events and self.num_bytes + size <= self.max_bytes:
+            if type(event) is tuple:
+                event = (tuple(event[0]), *event[1:])
             pending.append(event)
             self.num_bytes += size
             return
@@ -89,11 +94,13 @@ class EventLog:
             event
             if type(event) is not tuple
             else BlockRemoved(
-                block_hashes=event[0], namespace=event[1], medium=event[2] if len(event) == 3 else MEDIUM_GPU
+                block_hashes=list(event[0]),
+                namespace=event[1],
+                medium=event[2] if len(event) == 3 else MEDIUM_GPU,
             )
             if len(event) < 5
             else BlockStored(
-                block_hashes=event[0],
+                block_hashes=list(event[0]),
                 parent_block_hash=event[1],
                 token_ids=np.frombuffer(event[2], dtype=np.int32).tolist(),
                 block_size=page_size,

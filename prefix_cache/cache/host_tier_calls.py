@@ -39,12 +39,14 @@ class HostTierCalls:
         """
         if self._tier is None:
             return None
-        if not self._lock.acquire(False):
+        try:
+            self._baton.pop()
+        except IndexError:
             self._concurrent()
         try:
             return self._tier.take_batch()
         finally:
-            self._lock.release()
+            self._baton.append(None)
 
     def transfers_done(self, batch: Transfers, ok: bool = True) -> None:
         """The copies of ``batch`` are made (``ok``), or failed or were never made (``ok=False``).
@@ -62,7 +64,9 @@ class HostTierCalls:
             raise TypeError(f"expected Transfers from take_transfers, got {type(batch).__name__}")
         if type(ok) is not bool:
             raise TypeError(f"ok must be a bool, got {type(ok).__name__}")
-        if not self._lock.acquire(False):
+        try:
+            self._baton.pop()
+        except IndexError:
             self._concurrent()
         try:
             tier = self._tier
@@ -89,7 +93,7 @@ class HostTierCalls:
             if failed is not None:
                 raise failed
         finally:
-            self._lock.release()
+            self._baton.append(None)
 
     def match_tiers(
         self, tokens: object, namespace: Namespace = None, *, extra_keys: list[ExtraKey] | None = None
@@ -100,7 +104,9 @@ class HostTierCalls:
         arr = as_token_array(tokens)
         check_namespace(namespace)
         extras = page_extras(extra_keys, len(arr), self._page_size)
-        if not self._lock.acquire(False):
+        try:
+            self._baton.pop()
+        except IndexError:
             self._concurrent()
         try:
             walk = self._prefix_walk(arr, namespace, extras)
@@ -119,7 +125,7 @@ class HostTierCalls:
             room = len(self._pool.free) + self._tree.num_unreferenced - locked
             return gpu, max(0, min(found.pages, room)) * page_size
         finally:
-            self._lock.release()
+            self._baton.append(None)
 
     def _clear_tiers(self) -> None:
         """``reset`` with a host tier: every run leaves the tree, both tiers' pages are free."""

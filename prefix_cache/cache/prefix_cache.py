@@ -10,8 +10,6 @@ re-exported here.
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 
 from prefix_cache.cache.arguments import check_batch, check_hash_fn, check_int, reject
@@ -48,7 +46,7 @@ DEFAULT_MAX_EVENTS = 100_000
 #: Bytes of token ids and block hashes those events may hold by default (see ``max_event_bytes``).
 DEFAULT_MAX_EVENT_BYTES = 64 << 20
 _INT32 = np.dtype(np.int32)
-_ONE = (1,)
+_NDARRAY = np.ndarray
 
 __all__ = ["ConcurrentUseError", "InvariantError", "OutOfPages", "PrefixCache", "PrefixCacheError"]
 
@@ -125,10 +123,16 @@ class PrefixCache(HostTierCalls):
         self._store = PageStore(pool, tree, self._events, self._tier)
         # The store's pool and tree, read by the calls that only check or release.
         self._pool = self._store.pool
+        # Its free pages (the same array for the cache's life), read by the decode path.
+        self._free = self._pool.free
         self._tree = self._store.tree
         self._block_tables = BlockTableWriter()
-        # Held (never waited on) by every call that touches shared state, see the class docstring.
-        self._lock = threading.Lock()
+        # Held (never waited on) by every call that touches shared state, see the class docstring:
+        # a one-item list that a call takes with ``pop`` (IndexError: another thread is inside)
+        # and gives back with ``append``, both atomic. A try-lock like ``Lock.acquire(False)``,
+        # at a quarter of its cost (which parses its arguments): at page size 1 every decode
+        # step takes it.
+        self._baton: list[None] = [None]
         # (root, tree version, prompt bytes, walk) of the last walk, see _walk.
         self._last_match: tuple[Root, int, bytes, Walk] | None = None
         self._next_seq_id = 0
@@ -218,12 +222,14 @@ class PrefixCache(HostTierCalls):
         arr = as_token_array(tokens)
         check_namespace(namespace)
         extras = page_extras(extra_keys, len(arr), self._page_size)
-        if not self._lock.acquire(False):
+        try:
+            self._baton.pop()
+        except IndexError:
             self._concurrent()
         try:
             return self._prefix_walk(arr, namespace, extras).pages * self._page_size
         finally:
-            self._lock.release()
+            self._baton.append(None)
 
     def open(
         self, tokens: object, namespace: Namespace = None, *, extra_keys: list[ExtraKey] | None = None
@@ -244,13 +250,15 @@ class PrefixCache(HostTierCalls):
         extras = page_extras(extra_keys, len(arr), self._page_size)
         # Everything that allocates comes before the first change, so a MemoryError changes nothing.
         seq = self._new_sequence(arr, namespace, 0)
-        if not self._lock.acquire(False):
+        try:
+            self._baton.pop()
+        except IndexError:
             self._concurrent()
         try:
             self._open(seq, arr, namespace, extras, self._prefix_walk(arr, namespace, extras))
             return seq
         finally:
-            self._lock.release()
+            self._baton.append(None)
 
     def admit(
         self,
@@ -270,7 +278,9 @@ class PrefixCache(HostTierCalls):
         check_namespace(namespace)
         extra_tokens = check_int("extra_tokens", extra_tokens, 0)
         extras = page_extras(extra_keys, len(arr), self._page_size)
-        if not self._lock.acquire(False):
+        try:
+            self._baton.pop()
+        except IndexError:
             self._concurrent()
         try:
             walk = self._prefix_walk(arr, namespace, extras)
@@ -294,7 +304,7 @@ class PrefixCache(HostTierCalls):
                 self._store.allocate(seq, end)
             return seq
         finally:
-            self._lock.release()
+            self._baton.append(None)
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         """Reserve slots for the next ``num_tokens`` tokens of ``seq`` after those already reserved,
@@ -324,26 +334,39 @@ class PrefixCache(HostTierCalls):
             # Room left in the last page: the per-token decode path.
             seq._num_allocated = end
             return
-        if not self._lock.acquire(False):
+        baton = self._baton
+        try:
+            baton.pop()
+        except IndexError:
             self._concurrent()
         try:
             page_size = self._page_size
             if end <= seq._capacity + page_size:
-                # One more page, the decode loop's case, written out. From an empty pool, evict
-                # the decode step's pages in one batch first.
-                free = self._pool.free
+                # One more page, the decode loop's case, written out: a free page onto the end of
+                # the block table. From an empty pool, the decode step's pages are evicted in one
+                # batch first. A full table raises IndexError before anything changes (the page
+                # goes back where it was), and so does an empty pool.
+                free = self._free
                 if not free and self._tree.num_unreferenced:
                     self._store.evict(-(-len(self._live) // page_size))
-                count = seq._num_pages
-                if free and count < len(seq._pages):
-                    seq._pages_int[count] = free.pop()
-                    seq._num_pages = count + 1
-                    seq._capacity += page_size
-                    seq._num_allocated = end
-                    return
+                try:
+                    page = free.pop()
+                except IndexError:
+                    pass
+                else:
+                    count = seq._num_pages
+                    try:
+                        seq._pages_int[count] = page
+                    except IndexError:
+                        free.append(page)
+                    else:
+                        seq._num_pages = count + 1
+                        seq._capacity += page_size
+                        seq._num_allocated = end
+                        return
             self._store.allocate(seq, end)
         finally:
-            self._lock.release()
+            baton.append(None)
 
     def commit(self, seq: Sequence, tokens: object) -> None:
         """Record that the KV of the next ``len(tokens)`` tokens of ``seq`` (after ``num_tokens``) is
@@ -361,30 +384,35 @@ class PrefixCache(HostTierCalls):
             raise TypeError(f"expected a Sequence, got {type(seq).__name__}") from None
         if owner is not self:
             reject(self, seq)
-        # The per-token decode path: one token (a 1-element list of int or int32 array), room
+        # The per-token decode path: one token (a 1-element list of int or 1-D int32 array), room
         # reserved. Anything else, including every error, takes the general path below.
         n = seq._num_tokens
         if n < seq._num_allocated:
-            kind = type(tokens)
             token = -1
-            if kind is list:
-                if len(tokens) == 1:
-                    token = tokens[0]
-                    if type(token) is not int or token > MAX_TOKEN_ID:
-                        token = -1
-            elif kind is np.ndarray and tokens.dtype is _INT32 and tokens.shape == _ONE:
-                token = tokens.item()
+            kind = type(tokens)
+            if kind is _NDARRAY:
+                if tokens.dtype is _INT32 and tokens.ndim == 1:
+                    try:
+                        token = tokens.item()
+                    except ValueError:
+                        token = -1  # not one element
+            elif kind is list and len(tokens) == 1:
+                token = tokens[0]
+                if type(token) is not int or token > MAX_TOKEN_ID:
+                    token = -1
             if token >= 0:
                 seq._tokens_int[n] = token
                 n += 1
-                if n % self._page_size == 0 and not seq._dirty:
-                    lock = self._lock
-                    if not lock.acquire(False):
+                if not seq._dirty and not n % self._page_size:
+                    baton = self._baton
+                    try:
+                        baton.pop()
+                    except IndexError:
                         self._concurrent()
                     try:
                         self._store.defer_page(seq, n, token)
                     finally:
-                        lock.release()
+                        baton.append(None)
                 seq._num_tokens = n
                 return
         arr = as_token_array(tokens)
@@ -418,7 +446,9 @@ class PrefixCache(HostTierCalls):
         if owner is not self:
             reject(self, seq)
         num_tokens = check_int("num_tokens", num_tokens, seq._num_tokens, seq._num_allocated)
-        if not self._lock.acquire(False):
+        try:
+            self._baton.pop()
+        except IndexError:
             self._concurrent()
         try:
             keep = -(-num_tokens // self._page_size)
@@ -430,7 +460,7 @@ class PrefixCache(HostTierCalls):
                 seq._rollbacks += 1
             seq._num_allocated = num_tokens
         finally:
-            self._lock.release()
+            self._baton.append(None)
 
     def allocate_batch(self, seqs: list[Sequence], num_tokens: int = 1) -> None:
         """``allocate(seq, num_tokens)`` for each of ``seqs`` (the decode step: one slot each), all
@@ -446,7 +476,9 @@ class PrefixCache(HostTierCalls):
             return
         page_size = self._page_size
         needed = sum(-(-(seq._num_allocated + num_tokens) // page_size) - seq._num_pages for seq in short)
-        if not self._lock.acquire(False):
+        try:
+            self._baton.pop()
+        except IndexError:
             self._concurrent()
         try:
             free = len(self._pool.free)
@@ -473,7 +505,7 @@ class PrefixCache(HostTierCalls):
             for seq in seqs:
                 seq._num_allocated += num_tokens
         finally:
-            self._lock.release()
+            self._baton.append(None)
 
     def commit_batch(self, seqs: list[Sequence], tokens: object) -> None:
         """``commit(seq, [token])`` for each of ``seqs`` and the matching entry of ``tokens`` (1-D,
@@ -488,8 +520,10 @@ class PrefixCache(HostTierCalls):
             seq = next(seq for seq in seqs if seq._num_tokens >= seq._num_allocated)
             raise ValueError(f"cannot commit: sequence {seq._id} has no reserved slot (allocate first)")
         page_size = self._page_size
-        lock = self._lock
-        if not lock.acquire(False):
+        baton = self._baton
+        try:
+            baton.pop()
+        except IndexError:
             self._concurrent()
         try:
             for seq, token in zip(seqs, arr.tolist(), strict=True):
@@ -500,7 +534,7 @@ class PrefixCache(HostTierCalls):
                     self._store.defer_page(seq, n, token)
                 seq._num_tokens = n
         finally:
-            lock.release()
+            baton.append(None)
 
     def write_block_tables(self, seqs: list[Sequence], out: np.ndarray, rows: object = None) -> int:
         """Write the block tables of ``seqs`` into rows of ``out``, an int32 array
@@ -534,7 +568,9 @@ class PrefixCache(HostTierCalls):
             raise TypeError(f"expected a Sequence, got {type(seq).__name__}") from None
         if owner is not self:
             reject(self, seq)
-        if not self._lock.acquire(False):
+        try:
+            self._baton.pop()
+        except IndexError:
             self._concurrent()
         try:
             if seq._dirty:
@@ -566,20 +602,22 @@ class PrefixCache(HostTierCalls):
             self._live.discard(seq)
             self._closed += 1
         finally:
-            self._lock.release()
+            self._baton.append(None)
 
     def evict(self, num_pages: int) -> int:
         """Free up to ``num_pages`` cached pages no live sequence holds, least recently used
         first (a page's descendants before it). Returns the number of pages freed."""
         num_pages = check_int("num_pages", num_pages, 0)
-        if not self._lock.acquire(False):
+        try:
+            self._baton.pop()
+        except IndexError:
             self._concurrent()
         try:
             if self._store.pending:
                 self._store.flush()
             return self._store.evict(num_pages, exact=True)
         finally:
-            self._lock.release()
+            self._baton.append(None)
 
     def reset(self) -> None:
         """Invalidate the cache (after a weight update, say): drop every cached page, so nothing
@@ -589,7 +627,9 @@ class PrefixCache(HostTierCalls):
         computed before the reset too, and their pages would be cached when they commit. Close
         (or preempt) them first.
         """
-        if not self._lock.acquire(False):
+        try:
+            self._baton.pop()
+        except IndexError:
             self._concurrent()
         try:
             if self._live:
@@ -607,28 +647,31 @@ class PrefixCache(HostTierCalls):
             if self._events is not None:
                 self._events.clear()
         finally:
-            self._lock.release()
+            self._baton.append(None)
 
     def drain_events(self) -> list[KVCacheEvent]:
         """The events since the last call, oldest first. After an overflow of ``max_events`` or
         ``max_event_bytes``: ``AllBlocksCleared``, then ``BlockStored`` for every block cached now
         (parents first), then nothing else."""
-        if not self._lock.acquire(False):
+        try:
+            self._baton.pop()
+        except IndexError:
             self._concurrent()
         try:
             if self._store.pending:
                 self._store.flush()
             return [] if self._events is None else self._events.drain(self._tree)
         finally:
-            self._lock.release()
+            self._baton.append(None)
 
     # ------------------------------------------------------------------ internals
 
     def _concurrent(self) -> None:
+        """Raise ``ConcurrentUseError``; called where taking ``_baton`` failed with IndexError."""
         raise ConcurrentUseError(
             "PrefixCache called from two threads at once: one cache belongs to one scheduler "
             "thread (serialise the calls); nothing was changed"
-        )
+        ) from None
 
     def _new_sequence(self, arr: np.ndarray, namespace: Namespace, extra_tokens: int) -> Sequence:
         """A sequence for the prompt ``arr``, not yet open, with buffer room for the prompt, the
@@ -707,14 +750,16 @@ class PrefixCache(HostTierCalls):
 
     def _store_locked(self, seq: Sequence, end: int) -> None:
         """``PageStore.store_full_pages`` under the lock: ``commit``'s path for several tokens."""
-        if not self._lock.acquire(False):
+        try:
+            self._baton.pop()
+        except IndexError:
             self._concurrent()
         try:
             if seq._dirty:
                 self._store.flush_seq(seq)
             self._store.store_full_pages(seq, end)
         finally:
-            self._lock.release()
+            self._baton.append(None)
 
     # ------------------------------------------------------------------ checking
 
@@ -732,9 +777,11 @@ class PrefixCache(HostTierCalls):
 
     def _locked_flush(self) -> None:
         """``PageStore.flush`` under the lock: the deferred pages of the decode path are cached."""
-        if not self._lock.acquire(False):
+        try:
+            self._baton.pop()
+        except IndexError:
             self._concurrent()
         try:
             self._store.flush()
         finally:
-            self._lock.release()
+            self._baton.append(None)
