@@ -293,13 +293,12 @@ class HostTier(HostLoads, WriteThrough):
             parent.child = None
         else:
             remove_child(parent, node, tree.page_bytes)
-        if parent.child is None and parent.children is None:
-            if parent is root:
-                if not root.ref:
-                    del tree.roots[root.namespace]
-            elif parent.host is not None and parent.host_serial < 0 and not has_host_child(parent):
-                # Its last child with a host copy went (without write-through: a host-only leaf).
-                self.push(parent)
+        if parent is root:
+            if not root.ref and parent.child is None and parent.children is None:
+                del tree.roots[root.namespace]
+        elif parent.host is not None and parent.host_serial < 0 and not has_host_child(parent):
+            # Its last child with a host copy went (without write-through: a host-only leaf).
+            self.push(parent)
         tree.version += 1
 
     def release_pages(self, pages: array) -> None:
