@@ -181,7 +181,7 @@ class HostTier(HostLoads, WriteThrough):
                 # kernel that can write the pages freed here).
                 node.pages = None
                 tree.num_host_nodes += 1
-            elif self.make_room(size):
+            elif self.make_room(size, node.tick):
                 host = self.pool.take(size)
                 node.host = host
                 node.pages = None
@@ -220,9 +220,12 @@ class HostTier(HostLoads, WriteThrough):
             tree.version += 1
         return freed
 
-    def make_room(self, count: int) -> bool:
+    def make_room(self, count: int, tick: int | None = None) -> bool:
         """Free host pages until ``count`` are free, evicting host-only leaves least recently
-        released first; False (having evicted what it could) when that is not enough."""
+        released first; False (having evicted what it could) when that is not enough. With
+        write-through, host copies of runs on both tiers are candidates too, and ``tick`` (the
+        release of a run moving in) keeps runs released after it: a run moved by write-back does
+        not push out newer copies."""
         if count > self.num_pages:
             return False
         free = self.pool.free
@@ -232,29 +235,37 @@ class HostTier(HostLoads, WriteThrough):
                 heapq.heappop(heap)
             if not heap:
                 return False
-            tick, _, node = heapq.heappop(heap)
+            oldest, _, node = heap[0]
             if self.write_through:
                 if has_host_child(node):
                     # A child got a copy since: a candidate again once no child has one.
+                    heapq.heappop(heap)
                     node.host_serial = -1
                     continue
-                if node.tick > tick:
-                    self.push(node)  # released since: its place is by its new tick
+                if (self.tree.tick + 1 if node.ref else node.tick) > oldest:
+                    # Released since, or held (in use: newer than any release).
+                    heapq.heappop(heap)
+                    self.push(node)
                     continue
+                if tick is not None and oldest > tick:
+                    return False
                 if node.pages is not None:
+                    heapq.heappop(heap)
                     self.drop_copy(node)
                     continue
+            heapq.heappop(heap)
             self.drop(node)
         return True
 
     def push(self, node: Node) -> None:
         """``node`` became a host eviction candidate (host-only, a leaf; with write-through, any
-        run with a host copy and no child with one): it waits with its own tick."""
+        run with a host copy and no child with one): it waits with its own tick, or, held by a
+        sequence, as if released now (after the latest release)."""
         tree = self.tree
         tree._serial += 1
         node.host_serial = tree._serial
         heap = self.heap
-        heapq.heappush(heap, (node.tick, tree._serial, node))
+        heapq.heappush(heap, (tree.tick + 1 if node.ref else node.tick, tree._serial, node))
         # Runs on both tiers are candidates too: bound stale entries by the host pages then.
         live = self.num_cached if self.write_through else tree.num_host_nodes
         if len(heap) > 2 * live + _HEAP_SLACK:

@@ -139,7 +139,7 @@ class InvariantChecker:
             if node.host_serial == serial:
                 if id(node) in live or node.host is None or node not in self.reachable:
                     self.fail(f"{self.name(node)}: a host LRU entry for no host copy, or two")
-                if tick > node.tick:
+                if tick > (self.tree.tick + 1 if node.ref else node.tick):
                     self.fail(f"{self.name(node)}: host LRU entry newer than the run")
                 live[id(node)] = serial
         for node in nodes:

@@ -13,8 +13,9 @@ it): pages get their host copy when they are cached on the GPU, not when the GPU
   write them (see ``Transfers``), and the copy is matched only once that batch is done (``ready``).
 - **Host eviction**: the host tier's LRU holds every run with a host copy and no child with one;
   for a run on both tiers it only drops the host copy (``drop_copy``). Its order is the runs' last
-  release, or their copy when newer; an entry older than its run's tick is pushed again when
-  popped.
+  release, a held run counting as released now (it is in use); an entry older
+  than that is pushed again when it comes first. A run moved by write-back makes room only from
+  copies released before it.
 - **Failures**: a failed batch's saves drop the host copies they were writing; the GPU copies stay.
 - **Events**: a write-through copy is published (``BlockStored`` medium ``"CPU"``) when its save's
   batch is done, and ``BlockRemoved`` medium ``"CPU"`` follows only for published pages, so a copy
@@ -68,9 +69,6 @@ class WriteThrough:
         self.ready[ids] = False
         self.writer[ids] = 0
         self.saves.append((array("i", node.pages[size - count :]), array("i", new)))
-        # The run was just used: its copy is the host tier's newest (a held run's tick is
-        # stamped again when it is released, so the GPU's LRU does not see this one).
-        node.tick = tree.tick
         self.push(node)
         if self.events is not None:
             self.copy_serial += 1
