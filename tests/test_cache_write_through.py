@@ -119,12 +119,12 @@ def test_the_host_lru_follows_release_not_copy_order() -> None:
     compute(cache, young)
     done(cache)
     # Old is used again and its new page needs room: young's copy goes, not old's.
-    compute(cache, old + [7])
+    compute(cache, [*old, 7])
     assert done(cache) == 1
     assert cache.stats.host_evicted_pages == 2
     cache.evict(12)  # old moves free; young, without a copy, cannot push out old's newer one
     assert done(cache) == 0
-    assert cache.match_tiers(old + [7, 0]) == (0, 6)
+    assert cache.match_tiers([*old, 7, 0]) == (0, 6)
     assert cache.match_tiers(young) == (0, 0)
     cache.check_invariants()
 
@@ -135,7 +135,7 @@ def test_a_run_loaded_back_keeps_its_host_copy() -> None:
     compute(cache, chat)
     done(cache)
     cache.evict(4)
-    seq = cache.admit(chat + [5])
+    seq = cache.admit([*chat, 5])
     assert seq.num_loading_tokens == 4
     batch = cache.take_transfers()
     assert len(batch.loads) == 2 and len(batch.saves) == 0
@@ -147,7 +147,7 @@ def test_a_run_loaded_back_keeps_its_host_copy() -> None:
     assert cache.num_host_cached_pages == 3
     cache.evict(4)
     assert done(cache) == 0  # evicted again: nothing to save
-    assert cache.match_tiers(chat + [5]) == (0, 4)
+    assert cache.match_tiers([*chat, 5]) == (0, 4)
 
 
 def test_a_run_computed_again_takes_over_the_host_copy() -> None:
