@@ -129,6 +129,26 @@ def test_the_host_lru_follows_release_not_copy_order() -> None:
     cache.check_invariants()
 
 
+def test_a_held_run_is_the_host_tiers_newest() -> None:
+    """A run a live sequence holds is in use: the host tier drops copies released before it."""
+    cache = PrefixCache(12, 2, host_pages=4, write_through=True)
+    old, young = [1, 2, 3, 4, 9], [5, 6, 7, 8, 9]
+    compute(cache, old)
+    compute(cache, young)
+    done(cache)
+    seq = cache.admit([*old, 7])  # holds old's run, released before young's
+    compute(cache, [20, 21, 9])  # its copy needs a host page: young's copy goes
+    done(cache)
+    assert cache.evict(2) == 2  # young, without a copy now, and no older one to push out
+    assert done(cache) == 0
+    assert cache.match_tiers(young) == (0, 0)
+    cache.close(seq)
+    cache.evict(12)
+    assert done(cache) == 0  # old's copy is there
+    assert cache.match_tiers(old) == (0, 4)
+    cache.check_invariants()
+
+
 def test_a_run_loaded_back_keeps_its_host_copy() -> None:
     cache = PrefixCache(4, 2, host_pages=8, write_through=True)
     chat = [1, 2, 3, 4, 9]
