@@ -104,7 +104,7 @@ def add_engine_options(ap: argparse.ArgumentParser, num_pages: int = 4096) -> No
     ap.add_argument(
         "--host-write-through",
         action="store_true",
-        help="copy prefixes to the host tier when cached, so that eviction copies nothing (needs --host-pages)",
+        help="copy prefixes to the host tier when cached: eviction then copies nothing (needs --host-pages)",
     )
     ap.add_argument("--max-batched-tokens", type=ranged_int(1), default=512, help="query tokens per step")
     ap.add_argument("--max-num-seqs", type=ranged_int(1), default=64, help="samples running at once")
