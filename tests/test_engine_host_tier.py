@@ -41,7 +41,11 @@ def conversations(engine: LLMEngine, turns: int = 3) -> list[np.ndarray]:
 
 
 def run(
-    num_pages: int, host_pages: int, fail_loads: bool = False, device: str = "cpu"
+    num_pages: int,
+    host_pages: int,
+    fail_loads: bool = False,
+    device: str = "cpu",
+    write_through: bool = False,
 ) -> tuple[list[np.ndarray], LLMEngine]:
     model = LlamaModel.dummy(CONFIG, device, torch.float32, seed=2)
     config = EngineConfig(
@@ -49,6 +53,7 @@ def run(
         page_size=4,
         backend="torch",
         host_pages=host_pages,
+        host_write_through=write_through,
         scheduler=SchedulerConfig(max_batched_tokens=256, max_num_seqs=4),
     )
     engine = LLMEngine(model, config)
@@ -89,6 +94,27 @@ def test_evicted_conversations_come_back_from_the_host_with_the_same_tokens(devi
     assert stats.hit_rate > small.cache.stats.hit_rate + 0.1  # the tier brought hits back
     for a, b in zip(without, expected, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_write_through_gives_the_same_tokens_and_evicts_without_copies() -> None:
+    expected, _ = run(num_pages=512, host_pages=0)
+    back, write_back = run(num_pages=48, host_pages=512)
+    got, engine = run(num_pages=48, host_pages=512, write_through=True)
+    stats = engine.cache.stats
+    assert stats.evicted_pages > 0 and stats.host_hit_tokens > 0 and stats.loaded_pages > 0
+    for a, b in zip(got, expected, strict=True):
+        np.testing.assert_array_equal(a, b)
+    # Every page cached has its copy (the tier is ample), saved once, when cached: evictions copy
+    # nothing (the last step's saves are still to be taken).
+    assert stats.host_cached_pages == stats.stored_pages >= stats.saved_pages > stats.stored_pages - 8
+    assert stats.host_hit_tokens >= write_back.cache.stats.host_hit_tokens
+    for a, b in zip(back, expected, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_write_through_needs_a_host_tier() -> None:
+    with pytest.raises(ValueError, match="host_write_through"):
+        EngineConfig(host_write_through=True)
 
 
 def test_failed_loads_are_computed_instead() -> None:

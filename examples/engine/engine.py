@@ -47,6 +47,8 @@ class EngineConfig:
     host_pages: pages of the cache's host tier in (pinned, on a CUDA machine) host memory, 0 for none:
         evicted prefixes wait there and come back by copy (docs/offload.md). One process only (no
         tensor parallelism).
+    host_write_through: copy prefixes to the host tier when they are cached rather than when
+        evicted (``PrefixCache(write_through=True)``, docs/offload.md); needs ``host_pages``.
     """
 
     num_pages: int = 2048
@@ -59,10 +61,13 @@ class EngineConfig:
     cuda_graphs: bool = True
     graph_max_pages_per_seq: int | None = None
     host_pages: int = 0
+    host_write_through: bool = False
 
     def __post_init__(self) -> None:
         if type(self.host_pages) is not int or not 0 <= self.host_pages < 2**31:
             raise ValueError(f"host_pages must be an int in [0, 2**31), got {self.host_pages!r}")
+        if self.host_write_through and not self.host_pages:
+            raise ValueError("host_write_through needs a host tier (host_pages > 0)")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
@@ -114,7 +119,11 @@ class LLMEngine:
         if config.host_pages and runner is not None:
             raise ValueError("a host tier (host_pages) needs the engine's own runner: no tensor parallelism")
         self.cache = PrefixCache(
-            config.num_pages, config.page_size, record_events=False, host_pages=config.host_pages
+            config.num_pages,
+            config.page_size,
+            record_events=False,
+            host_pages=config.host_pages,
+            write_through=config.host_write_through,
         )
         self.scheduler = Scheduler(self.cache, config.scheduler)
         self.planner = engine_planner(config)

@@ -84,7 +84,7 @@ def add_tensor_parallel_option(ap: argparse.ArgumentParser) -> None:
 
 def add_engine_options(ap: argparse.ArgumentParser, num_pages: int = 4096) -> None:
     """The KV pool and the scheduler: --num-pages, --page-size, --kv-cache-dtype, --host-pages,
-    --max-batched-tokens, --max-num-seqs, --no-prefix-caching, --no-cascade."""
+    --host-write-through, --max-batched-tokens, --max-num-seqs, --no-prefix-caching, --no-cascade."""
     ap.add_argument("--num-pages", type=ranged_int(1, 2**31 - 1), default=num_pages, help="KV pool pages")
     ap.add_argument(
         "--page-size", type=ranged_int(*PAGE_SIZE_RANGE), default=16, help="tokens per page, 1..128"
@@ -100,6 +100,11 @@ def add_engine_options(ap: argparse.ArgumentParser, num_pages: int = 4096) -> No
         type=ranged_int(0, 2**31 - 1),
         default=0,
         help="pages of the host tier (0: none): evicted prefixes wait in host memory (docs/offload.md)",
+    )
+    ap.add_argument(
+        "--host-write-through",
+        action="store_true",
+        help="copy prefixes to the host tier when cached: eviction then copies nothing (needs --host-pages)",
     )
     ap.add_argument("--max-batched-tokens", type=ranged_int(1), default=512, help="query tokens per step")
     ap.add_argument("--max-num-seqs", type=ranged_int(1), default=64, help="samples running at once")
@@ -167,6 +172,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         cascade=not args.no_cascade,
         scheduler=SchedulerConfig(args.max_batched_tokens, args.max_num_seqs, not args.no_prefix_caching),
         host_pages=args.host_pages,
+        host_write_through=getattr(args, "host_write_through", False),
     )
 
 

@@ -44,7 +44,7 @@ class EventLog:
     order ends up right.
     """
 
-    __slots__ = ("max_bytes", "max_events", "num_bytes", "overflowed", "pending")
+    __slots__ = ("host_published", "max_bytes", "max_events", "num_bytes", "overflowed", "pending")
 
     def __init__(self, max_events: int, max_bytes: int) -> None:
         self.max_events = max_events
@@ -53,6 +53,9 @@ class EventLog:
         self.num_bytes = 0  # token and hash bytes held by ``pending``
         #: Set when the backlog overflowed a cap: the next drain resynchronises.
         self.overflowed = False
+        #: With a write-through host tier: per host page, whether its copy was published (see
+        #: ``prefix_cache.cache.write_through``); None otherwise.
+        self.host_published: np.ndarray | None = None
 
     def emit(self, event: Pending) -> None:
         """Keep ``event``, or note the overflow of a cap."""
@@ -86,7 +89,7 @@ class EventLog:
         if self.overflowed:
             self.overflowed = False
             self.pending = []
-            return [AllBlocksCleared(), *cached_blocks(tree)]
+            return [AllBlocksCleared(), *cached_blocks(tree, self.host_published)]
         events = self.pending
         self.pending = []
         page_size = tree.page_size
@@ -112,10 +115,14 @@ class EventLog:
         ]
 
 
-def cached_blocks(tree: BlockTree) -> list[BlockStored]:
+def cached_blocks(tree: BlockTree, published: np.ndarray | None = None) -> list[BlockStored]:
     """``BlockStored`` events for every block in ``tree``, each after its parent's: one per chain of
     runs with single children on one tier. A run held on the host only (``pages`` None; every run
-    below it is too) is stored with medium ``"CPU"``, so a chain is cut where it leaves the GPU."""
+    below it is too) is stored with medium ``"CPU"``, so a chain is cut where it leaves the GPU.
+
+    published: with a write-through host tier, per host page whether its copy is published: the
+    host copies (of runs on the host only or on both tiers) are then stored per run, their
+    published pages only, after the GPU's blocks."""
     page_size = tree.page_size
     events = []
     for root in tree.roots.values():
@@ -136,17 +143,51 @@ def cached_blocks(tree: BlockTree) -> list[BlockStored]:
                     for i in range(len(run.keys))
                 ]
                 tokens = b"".join(bytes(run.tokens) for run in chain)
-                events.append(
-                    BlockStored(
-                        block_hashes=[key for run in chain for key in run.keys],
-                        parent_block_hash=None if node is root else node.keys[-1],
-                        token_ids=np.frombuffer(tokens, np.int32).tolist(),
-                        block_size=page_size,
-                        namespace=root.namespace,
-                        extra_keys=extras if any(extras) else None,
-                        medium=MEDIUM_CPU if on_host else MEDIUM_GPU,
+                if published is None or not on_host:
+                    events.append(
+                        BlockStored(
+                            block_hashes=[key for run in chain for key in run.keys],
+                            parent_block_hash=None if node is root else node.keys[-1],
+                            token_ids=np.frombuffer(tokens, np.int32).tolist(),
+                            block_size=page_size,
+                            namespace=root.namespace,
+                            extra_keys=extras if any(extras) else None,
+                            medium=MEDIUM_CPU if on_host else MEDIUM_GPU,
+                        )
                     )
-                )
                 if head.children is not None or head.child is not None:
                     stack.append(head)
+    if published is not None:
+        events += host_copies(tree, published)
+    return events
+
+
+def host_copies(tree: BlockTree, published: np.ndarray) -> list[BlockStored]:
+    """``BlockStored`` medium ``"CPU"`` for the published host pages of every run, parents first:
+    one event per unbroken stretch of them."""
+    page_size = tree.page_size
+    page_bytes = tree.page_bytes
+    events = []
+    for node in tree.nodes():
+        if node.host is None:
+            continue
+        shown = published[np.frombuffer(node.host, dtype=np.int32)]
+        edges = np.flatnonzero(np.diff(np.concatenate(([0], shown.astype(np.int8), [0])))).tolist()
+        for start, end in zip(edges[::2], edges[1::2], strict=True):
+            extras = [(node.extras[i] if node.extras is not None else b"") or None for i in range(start, end)]
+            parent = node.parent
+            first_parent = None if parent is node.root else parent.keys[-1]
+            events.append(
+                BlockStored(
+                    block_hashes=node.keys[start:end],
+                    parent_block_hash=node.keys[start - 1] if start else first_parent,
+                    token_ids=np.frombuffer(
+                        bytes(node.tokens[start * page_bytes : end * page_bytes]), np.int32
+                    ).tolist(),
+                    block_size=page_size,
+                    namespace=node.root.namespace,
+                    extra_keys=extras if any(extras) else None,
+                    medium=MEDIUM_CPU,
+                )
+            )
     return events

@@ -20,6 +20,10 @@ block key names one block in events whatever its tier.
   so no save overwrites a page a load still reads.
 - A failed batch (``done(batch, ok=False)``): its loads' sequences fall back to their GPU prefix
   and compute the rest; the runs its saves were writing leave the tree.
+
+With write-through (``prefix_cache.cache.write_through``) runs get their host copy when cached, so
+a run can be on both tiers; GPU eviction of such a run copies nothing. Matching and loading live
+in ``prefix_cache.cache.host_loads``.
 """
 
 from __future__ import annotations
@@ -33,9 +37,11 @@ import numpy as np
 from prefix_cache.cache.block_tree import BlockTree, has_gpu_child
 from prefix_cache.cache.event_log import EventLog
 from prefix_cache.cache.events import MEDIUM_CPU
-from prefix_cache.cache.page_pool import PagePool, int_pages
+from prefix_cache.cache.host_loads import HostLoads, event_extras
+from prefix_cache.cache.page_pool import PagePool
 from prefix_cache.cache.transfers import Transfers
-from prefix_cache.cache.tree_nodes import Node, Walk, remove_child
+from prefix_cache.cache.tree_nodes import Node, remove_child
+from prefix_cache.cache.write_through import Copy, WriteThrough, has_host_child
 
 if TYPE_CHECKING:
     from prefix_cache.cache.sequence import Sequence
@@ -49,7 +55,7 @@ _HEAP_SLACK = 1024
 SPLIT_PAGES = 64
 
 
-class HostTier:
+class HostTier(HostLoads, WriteThrough):
     """The host pages of one cache, the host runs' LRU, pins, and the copies waiting to be taken.
 
     Arguments:
@@ -57,9 +63,13 @@ class HostTier:
         gpu_pool: the cache's free GPU pages.
         num_pages: host pages, ``>= 1``.
         events: where events go, None for none.
+        write_through: copy runs to the host when they are cached (see
+            ``prefix_cache.cache.write_through``), not only when the GPU evicts them.
     """
 
     __slots__ = (
+        "copy_id",
+        "copy_serial",
         "events",
         "evicted_pages",
         "gpu_pool",
@@ -74,16 +84,27 @@ class HostTier:
         "pinned",
         "pins",
         "pool",
+        "published",
         "ready",
         "saved_pages",
         "saves",
         "ticket",
         "tree",
+        "write_through",
         "writer",
+        "wt_copies",
     )
 
-    def __init__(self, tree: BlockTree, gpu_pool: PagePool, num_pages: int, events: EventLog | None) -> None:
+    def __init__(
+        self,
+        tree: BlockTree,
+        gpu_pool: PagePool,
+        num_pages: int,
+        events: EventLog | None,
+        write_through: bool = False,
+    ) -> None:
         self.tree = tree
+        self.write_through = write_through
         self.gpu_pool = gpu_pool
         self.num_pages = num_pages
         self.events = events
@@ -91,8 +112,9 @@ class HostTier:
         self.pool = PagePool(num_pages)
         #: Host pages of runs on the host.
         self.num_cached = 0
-        #: Host-only leaves, the host's eviction candidates: ``(tick, serial, node)``, an entry
-        #: live while ``node.lru_serial == serial`` (serials come from the tree's counter).
+        #: The host's eviction candidates, runs with a host copy and no child with one (without
+        #: write-through: host-only leaves): ``(tick, serial, node)``, an entry live while
+        #: ``node.host_serial == serial`` (serials come from the tree's counter).
         self.heap: list[tuple[int, int, Node]] = []
         #: Per host page, the loads reading it (queued or running), and their sum; pages left by
         #: their run while pinned are marked in ``orphan`` until their last pin goes.
@@ -104,14 +126,23 @@ class HostTier:
         #: never reads a page whose save may still fail.
         self.writer = np.zeros(num_pages, dtype=np.int64)
         self.ready = np.zeros(num_pages, dtype=bool)
+        #: Write-through only: per host page, the copy (``wt_copies``) that wrote it, 0 for none,
+        #: and whether its ``BlockStored`` medium CPU was emitted; the copies whose events wait for
+        #: their batch (moved to ``in_flight`` when it is taken).
+        self.copy_id = np.zeros(num_pages if write_through else 0, dtype=np.int64)
+        self.copy_serial = 0
+        self.published = np.zeros(num_pages if write_through else 0, dtype=bool)
+        self.wt_copies: list[Copy] = []
+        if write_through and events is not None:
+            events.host_published = self.published
         #: Copies queued since the last ``take``: pairs of page id arrays (gpu, host) for saves,
         #: (host, gpu) for loads.
         self.saves: list[tuple[array, array]] = []
         self.loads: list[tuple[array, array]] = []
         #: Sequences whose loads are queued since the last ``take``.
         self.loading: list[Sequence] = []
-        #: Ticket -> the sequences whose loads that batch makes.
-        self.in_flight: dict[int, list[Sequence]] = {}
+        #: Ticket -> the batch, the sequences whose loads it makes, its write-through copies.
+        self.in_flight: dict[int, tuple[Transfers, list[Sequence], list[Copy]]] = {}
         self.ticket = 0
         self.saved_pages = 0
         self.loaded_pages = 0
@@ -145,7 +176,12 @@ class HostTier:
             root = node.root
             if events is not None:
                 events.emit((list(node.keys), root.namespace))
-            if self.make_room(size):
+            if node.host is not None:
+                # Write-through: the host copy is there (its save, if not done, runs before any
+                # kernel that can write the pages freed here).
+                node.pages = None
+                tree.num_host_nodes += 1
+            elif self.make_room(size, node.tick):
                 host = self.pool.take(size)
                 node.host = host
                 node.pages = None
@@ -158,6 +194,8 @@ class HostTier:
                 self.writer[ids] = 0
                 if node.child is None and node.children is None:
                     self.push(node)
+                if self.write_through:
+                    self.published[ids] = events is not None
                 if events is not None:
                     parent_key = None if parent is root else parent.keys[-1]
                     events.emit(
@@ -182,31 +220,57 @@ class HostTier:
             tree.version += 1
         return freed
 
-    def make_room(self, count: int) -> bool:
+    def make_room(self, count: int, tick: int | None = None) -> bool:
         """Free host pages until ``count`` are free, evicting host-only leaves least recently
-        released first; False (having evicted what it could) when that is not enough."""
+        released first; False (having evicted what it could) when that is not enough. With
+        write-through, host copies of runs on both tiers are candidates too, and ``tick`` (the
+        release of a run moving in) keeps runs released after it: a run moved by write-back does
+        not push out newer copies."""
         if count > self.num_pages:
             return False
         free = self.pool.free
-        heap = self.heap
         while len(free) < count:
-            while heap and heap[0][2].lru_serial != heap[0][1]:
+            heap = self.heap  # ``push`` may rebuild it
+            while heap and heap[0][2].host_serial != heap[0][1]:
                 heapq.heappop(heap)
             if not heap:
                 return False
-            self.drop(heapq.heappop(heap)[2])
+            oldest, _, node = heap[0]
+            if self.write_through:
+                if has_host_child(node):
+                    # A child got a copy since: a candidate again once no child has one.
+                    heapq.heappop(heap)
+                    node.host_serial = -1
+                    continue
+                if (self.tree.tick + 1 if node.ref else node.tick) > oldest:
+                    # Released since, or held (in use: newer than any release).
+                    heapq.heappop(heap)
+                    self.push(node)
+                    continue
+                if tick is not None and oldest > tick:
+                    return False
+                if node.pages is not None:
+                    heapq.heappop(heap)
+                    self.drop_copy(node)
+                    continue
+            heapq.heappop(heap)
+            self.drop(node)
         return True
 
     def push(self, node: Node) -> None:
-        """``node``, host-only, became a leaf: it is an eviction candidate with its own tick."""
+        """``node`` became a host eviction candidate (host-only, a leaf; with write-through, any
+        run with a host copy and no child with one): it waits with its own tick, or, held by a
+        sequence, as if released now (after the latest release)."""
         tree = self.tree
         tree._serial += 1
-        node.lru_serial = tree._serial
+        node.host_serial = tree._serial
         heap = self.heap
-        heapq.heappush(heap, (node.tick, tree._serial, node))
-        if len(heap) > 2 * tree.num_host_nodes + _HEAP_SLACK:
+        heapq.heappush(heap, (tree.tick + 1 if node.ref else node.tick, tree._serial, node))
+        # Runs on both tiers are candidates too: bound stale entries by the host pages then.
+        live = self.num_cached if self.write_through else tree.num_host_nodes
+        if len(heap) > 2 * live + _HEAP_SLACK:
             # Entries of runs loaded back or dropped outnumber the live ones: drop them.
-            self.heap = [entry for entry in heap if entry[2].lru_serial == entry[1]]
+            self.heap = [entry for entry in heap if entry[2].host_serial == entry[1]]
             heapq.heapify(self.heap)
 
     def drop(self, node: Node) -> None:
@@ -222,151 +286,45 @@ class HostTier:
         for run in reversed(order):
             root.index.difference_update(run.keys)
             run.lru_serial = -1
+            run.host_serial = -1
             host = run.host
             if host is not None:
                 run.host = None
+                if self.write_through:
+                    self.remove_published(run, host)
+                elif run.pages is None and events is not None:
+                    events.emit((list(run.keys), root.namespace, MEDIUM_CPU))
                 self.release_pages(host)
                 self.num_cached -= len(host)
                 self.evicted_pages += len(host)
                 if run.pages is None:
                     tree.num_host_nodes -= 1
-                    if events is not None:
-                        events.emit((list(run.keys), root.namespace, MEDIUM_CPU))
         parent = node.parent
         if parent.child is node:
             parent.child = None
         else:
             remove_child(parent, node, tree.page_bytes)
-        if parent.child is None and parent.children is None:
-            if parent is root:
-                if not root.ref:
-                    del tree.roots[root.namespace]
-            elif parent.pages is None:
-                self.push(parent)
+        if parent is root:
+            if not root.ref and parent.child is None and parent.children is None:
+                del tree.roots[root.namespace]
+        elif parent.host is not None and parent.host_serial < 0 and not has_host_child(parent):
+            # Its last child with a host copy went (without write-through: a host-only leaf).
+            self.push(parent)
         tree.version += 1
 
     def release_pages(self, pages: array) -> None:
         """Host pages whose run let go of them: free, or orphaned while a load reads them."""
+        ids = np.frombuffer(pages, dtype=np.int32)
+        if self.write_through:
+            # Not this copy's any more: its pending event is dropped, a published one was removed.
+            self.copy_id[ids] = 0
+            self.published[ids] = False
         if not self.pinned:
             self.pool.free += pages
             return
-        ids = np.frombuffer(pages, dtype=np.int32)
         pinned = self.pins[ids] > 0
         self.orphan[ids[pinned]] = True
         self.pool.free.frombytes(ids[~pinned].tobytes())
-
-    # ------------------------------------------------------------------ matching and loading
-
-    def walk(self, start: Node, data: bytes, pos: int, num_pages: int, extras: list[bytes] | None) -> Walk:
-        """The host-only runs below ``start`` (a node on the GPU or a root) that continue the
-        pages of ``data`` from page ``pos`` on (at most ``num_pages`` in all, with per page extra
-        identity bytes ``extras`` or None): a ``Walk`` whose ``pages`` counts the pages found on
-        the host only. Changes nothing."""
-        tree = self.tree
-        nodes: list[Node] = []
-        node = start
-        found = 0
-        while pos < num_pages:
-            child = node.child
-            if child is None:
-                child = tree.child_among(node, data, pos, extras)
-                if child is None:
-                    break
-            if child.pages is not None:
-                break
-            same = tree._common_pages(child, data, pos, num_pages, extras)
-            ready = self.ready[np.frombuffer(child.host, dtype=np.int32, count=same)]
-            if not ready.all():
-                same = int(ready.argmin())  # its save is not done yet: matched from then on
-            if not same:
-                break
-            nodes.append(child)
-            found += same
-            if same < len(child.keys):
-                return Walk(nodes, found, same)
-            pos += same
-            node = child
-        return Walk(nodes, found, 0)
-
-    def pin(self, walk: Walk, count: int) -> array:
-        """Pin the first ``count`` host pages of ``walk`` (from ``walk``): their ids, in prompt
-        order."""
-        pages = array("i")
-        for node in walk.nodes:
-            pages += node.host[: count - len(pages)]
-            if len(pages) == count:
-                break
-        # Distinct pages (one prompt's runs), so one fancy-indexed add counts each once.
-        self.pins[np.frombuffer(pages, dtype=np.int32)] += 1
-        self.pinned += len(pages)
-        return pages
-
-    def unpin(self, pages: array) -> None:
-        """Drop one pin of each of ``pages``; orphans whose last pin goes are free."""
-        ids = np.frombuffer(pages, dtype=np.int32)
-        pins = self.pins
-        pins[ids] -= 1
-        self.pinned -= len(pages)
-        freed = ids[(pins[ids] == 0) & self.orphan[ids]]
-        if len(freed):
-            self.orphan[freed] = False
-            self.pool.free.frombytes(freed.tobytes())
-
-    def queue_load(self, seq: Sequence, host: array, gpu: np.ndarray) -> None:
-        """Queue the loads of ``seq``'s host pages ``host`` (pinned) into its GPU pages ``gpu``."""
-        self.loads.append((host, int_pages(gpu)))
-        self.loading.append(seq)
-        seq._load_host = host
-
-    def cancel(self, seq: Sequence) -> None:
-        """``seq``, loading, closes: its pins go, and its loads if not yet taken."""
-        if seq in self.loading:
-            i = self.loading.index(seq)
-            del self.loading[i]
-            del self.loads[i]
-        if seq._load_host is not None:
-            self.unpin(seq._load_host)
-        seq._load_host = None
-        seq._loading = 0
-
-    def upgrade(self, walk: Walk, seq: Sequence, start: int) -> Node:
-        """The host runs of ``walk`` (below ``seq._node``, which ``seq`` holds) take ``seq``'s
-        pages from block table index ``start`` on as their GPU pages, held by ``seq``; their host
-        pages are freed. Returns the deepest."""
-        tree = self.tree
-        nodes = walk.nodes
-        if walk.partial:
-            nodes = [*nodes[:-1], tree.split(nodes[-1], walk.partial)]
-        events = self.events
-        root = seq._root
-        table = seq._pages
-        for node in nodes:
-            size = len(node.keys)
-            pages = int_pages(table[start : start + size])
-            start += size
-            host = node.host
-            node.host = None
-            node.pages = pages
-            node.ref = 1
-            node.lru_serial = -1
-            self.release_pages(host)
-            self.num_cached -= size
-            tree.num_host_nodes -= 1
-            tree.num_pages += size
-            if events is not None:
-                parent = node.parent
-                events.emit((list(node.keys), root.namespace, MEDIUM_CPU))
-                events.emit(
-                    (
-                        list(node.keys),
-                        None if parent is root else parent.keys[-1],
-                        bytes(node.tokens),
-                        root.namespace,
-                        event_extras(node),
-                    )
-                )
-        tree.version += 1
-        return nodes[-1]
 
     # ------------------------------------------------------------------ batches
 
@@ -387,10 +345,11 @@ class HostTier:
         self.saved_pages += len(batch.saves)
         for seq in self.loading:
             seq._load_ticket = self.ticket
-        self.in_flight[self.ticket] = (batch, self.loading)
+        self.in_flight[self.ticket] = (batch, self.loading, self.wt_copies)
         self.saves = []
         self.loads = []
         self.loading = []
+        self.wt_copies = []
         return batch
 
     def in_flight_batch(self, batch: object) -> bool:
@@ -401,13 +360,15 @@ class HostTier:
     def finish(self, batch: Transfers, ok: bool) -> list[Sequence]:
         """Forget ``batch``: its saves' pages are ready, or (failed) their runs leave the tree;
         returns the sequences still waiting on its loads (their pins go, their loads are over)."""
-        _, seqs = self.in_flight.pop(batch.ticket)
+        _, seqs, copies = self.in_flight.pop(batch.ticket)
         ticket = batch.ticket
         if len(batch.saves):
             # Pages written by a later batch since, or freed, are not this batch's any more.
             written = batch.saves[:, 1][self.writer[batch.saves[:, 1]] == ticket]
             if ok:
                 self.ready[written] = True
+                if copies:
+                    self.publish(copies)
             elif len(written):
                 self.forget(set(written.tolist()))
         waiting = [seq for seq in seqs if seq._owner is not None and seq._load_ticket == ticket]
@@ -417,16 +378,19 @@ class HostTier:
         return waiting
 
     def forget(self, written: set[int]) -> None:
-        """Saves into host pages ``written`` failed: the runs on the host in them leave the tree
-        (with the host runs below them). None is loading: only ready pages are matched."""
+        """Saves into host pages ``written`` failed: the runs on the host only in them leave the
+        tree (with the host runs below them); runs on both tiers lose their host copy only. None
+        is loading: only ready pages are matched."""
         stale = [
-            node
-            for node in self.tree.nodes()
-            if node.pages is None and node.host is not None and not written.isdisjoint(node.host)
+            node for node in self.tree.nodes() if node.host is not None and not written.isdisjoint(node.host)
         ]
         for node in stale:
-            if node.host is not None:  # not dropped with a stale parent
+            if node.host is None:  # dropped with a stale parent
+                continue
+            if node.pages is None:
                 self.drop(node)
+            else:
+                self.drop_copy(node)
 
     def clear(self) -> None:
         """Free every host page (``PrefixCache.reset``; no sequence is open, so none is pinned) and
@@ -439,14 +403,12 @@ class HostTier:
         self.orphan[:] = False
         self.writer[:] = 0
         self.ready[:] = False
+        self.copy_id[:] = 0
+        self.published[:] = False
         self.saves = []
         self.loads = []
         self.loading = []
-
-
-def event_extras(node: Node) -> list[bytes | None] | None:
-    """A run's extra identity bytes as events carry them: per page, None for a page without."""
-    return None if node.extras is None else [extra or None for extra in node.extras]
+        self.wt_copies = []
 
 
 def pairs(parts: list[tuple[array, array]]) -> np.ndarray:

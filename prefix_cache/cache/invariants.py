@@ -11,6 +11,7 @@ from prefix_cache.cache.block_tree import has_gpu_child
 from prefix_cache.cache.errors import InvariantError
 from prefix_cache.cache.hashing import namespace_seed
 from prefix_cache.cache.tree_nodes import Node, Root
+from prefix_cache.cache.write_through import has_host_child
 
 if TYPE_CHECKING:
     from prefix_cache.cache.prefix_cache import PrefixCache
@@ -86,14 +87,15 @@ class InvariantChecker:
             self.fail("runs on a host tier that does not exist")
 
     def check_host(self, nodes: list[Node]) -> None:
-        """The host tier: every host page free, cached by one host-only run, or left by its run
-        while loads still read it (pinned); pins are the loads of live sequences; the host LRU
-        holds exactly the host-only leaves."""
+        """The host tier: every host page free, cached by one run (on the host only, or, with
+        write-through, on both tiers), or left by its run while loads still read it (pinned);
+        pins are the loads of live sequences; the host LRU holds exactly the host-only leaves
+        (with write-through: at least every run with a host copy and no child with one)."""
         cache, tier = self.cache, self.cache._tier
         host_only = [node for node in nodes if node.pages is None]
         if len(host_only) != self.tree.num_host_nodes:
             self.fail(f"{len(host_only)} runs on the host only, counter says {self.tree.num_host_nodes}")
-        cached = sum(len(node.host) for node in host_only)
+        cached = sum(len(node.host) for node in nodes if node.host is not None)
         if cached != tier.num_cached:
             self.fail(f"{cached} host pages cached, counter says {tier.num_cached}")
         for page in tier.pool.free:
@@ -117,12 +119,40 @@ class InvariantChecker:
         queued = [seq for seq in tier.loading if seq._owner is not cache or not seq._loading]
         if queued or len(tier.loading) != len(tier.loads):
             self.fail("a queued load belongs to no loading sequence")
+        if tier.write_through:
+            self.check_write_through(nodes)
+            return
         live = {
-            id(node) for tick, serial, node in tier.heap if node.lru_serial == serial and tick == node.tick
+            id(node) for tick, serial, node in tier.heap if node.host_serial == serial and tick == node.tick
         }
         leaves = {id(node) for node in host_only if node.is_leaf}
         if live != leaves:
             self.fail(f"host LRU holds {len(live)} runs, {len(leaves)} host-only leaves exist")
+
+    def check_write_through(self, nodes: list[Node]) -> None:
+        """The host LRU of a write-through tier: one live entry per run with a host copy and no
+        child with one (entries of others are dropped when popped), none newer than its run;
+        published pages are pages of runs' host copies; no copy waits for a batch that is done."""
+        tier = self.cache._tier
+        live: dict[int, int] = {}
+        for tick, serial, node in tier.heap:
+            if node.host_serial == serial:
+                if id(node) in live or node.host is None or node not in self.reachable:
+                    self.fail(f"{self.name(node)}: a host LRU entry for no host copy, or two")
+                if tick > (self.tree.tick + 1 if node.ref else node.tick):
+                    self.fail(f"{self.name(node)}: host LRU entry newer than the run")
+                live[id(node)] = serial
+        for node in nodes:
+            if node.host_serial >= 0 and live.get(id(node)) != node.host_serial:
+                self.fail(f"{self.name(node)}: claims a host LRU entry that does not exist")
+            if node.host is not None and not has_host_child(node) and id(node) not in live:
+                self.fail(f"{self.name(node)}: a host eviction candidate missing from the host LRU")
+        owned = np.zeros(tier.num_pages, dtype=bool)
+        for node in nodes:
+            if node.host is not None:
+                owned[np.frombuffer(node.host, dtype=np.int32)] = True
+        if (tier.published & ~owned).any() or (tier.copy_id.astype(bool) & ~owned).any():
+            self.fail("a host page no run holds is published or waits for its copy's event")
 
     def check_tree(self) -> list[Node]:
         tree = self.tree
@@ -185,10 +215,14 @@ class InvariantChecker:
         name = self.name(node)
         size = len(node.keys)
         tiers = [pages for pages in (node.pages, node.host) if pages is not None]
-        if len(tiers) != 1:
-            self.fail(f"{name}: on {len(tiers)} tiers (one, the GPU or the host)")
-        if size == 0 or len(tiers[0]) != size or len(node.tokens) != size * page_bytes:
-            self.fail(f"{name}: {len(tiers[0])} pages, {size} keys, {len(node.tokens)} token bytes")
+        tier = self.cache._tier
+        both = tier is not None and tier.write_through
+        if not tiers or len(tiers) > (2 if both else 1):
+            # Both only with write-through: then a run's host copy is the whole run.
+            self.fail(f"{name}: on {len(tiers)} tiers")
+        for pages in tiers:
+            if size == 0 or len(pages) != size or len(node.tokens) != size * page_bytes:
+                self.fail(f"{name}: {len(pages)} pages, {size} keys, {len(node.tokens)} token bytes")
         if node.pages is None and node.ref:
             self.fail(f"{name}: on the host only, but held by {node.ref} sequences")
         if node.extras is not None and (len(node.extras) != size or not any(node.extras)):
@@ -203,7 +237,7 @@ class InvariantChecker:
             keys.add(key)
             if node.pages is not None:
                 self.book(node.pages[index], "cached")
-            else:
+            if node.host is not None:
                 self.book_host(node.host[index], f"cached on the host ({name})")
         if node.ref < 0 or (node.ref > parent.ref and not isinstance(parent, Root)):
             self.fail(f"{name}: ref {node.ref} exceeds its parent's {parent.ref}")

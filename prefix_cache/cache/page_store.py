@@ -167,6 +167,9 @@ class PageStore:
             return
         seq._num_held = full
         self.stored_pages += 1
+        tier = self.tier
+        if tier is not None and tier.write_through:
+            tier.write_through_pages(leaf, 1)
         events = self.events
         if events is not None:
             events.emit(([key], parent_key, data, seq._namespace, None))
@@ -250,6 +253,9 @@ class PageStore:
                 seq._node = tree.add(after, stored_data, pages, keys, stored_extras)
             seq._num_held = start + stored
             self.stored_pages += stored
+            tier = self.tier
+            if tier is not None and tier.write_through:
+                tier.write_through_pages(seq._node, stored)
             events = self.events
             if events is not None:
                 # Turned into a BlockStored by drain_events, off the per-step path.

@@ -82,6 +82,9 @@ class PrefixCache(HostTierCalls):
             moves cached runs to host pages instead of dropping them, prompts match across both
             tiers, and the engine makes the copies the cache asks for (``take_transfers`` /
             ``transfers_done``); see ``prefix_cache.cache.host_tier`` and docs/offload.md.
+        write_through: with a host tier, copy runs to it when they are cached, so that GPU eviction
+            copies nothing (see ``prefix_cache.cache.write_through``); False (the default) copies
+            a run when the GPU evicts it. True needs ``host_pages > 0``.
 
     Threading: one ``PrefixCache`` belongs to one scheduler thread; calls must not overlap. Every
     call that touches shared state (the tree, the free pages, events) takes a non-blocking lock
@@ -107,9 +110,14 @@ class PrefixCache(HostTierCalls):
         max_events: int = DEFAULT_MAX_EVENTS,
         max_event_bytes: int = DEFAULT_MAX_EVENT_BYTES,
         host_pages: int = 0,
+        write_through: bool = False,
     ) -> None:
         self._num_pages = check_int("num_pages", num_pages, 1, MAX_NUM_PAGES)
         host_pages = check_int("host_pages", host_pages, 0, MAX_NUM_PAGES)
+        if type(write_through) is not bool:
+            raise TypeError(f"write_through must be a bool, got {type(write_through).__name__}")
+        if write_through and not host_pages:
+            raise ValueError("write_through needs a host tier (host_pages > 0)")
         self._page_size = check_int("page_size", page_size, 1, MAX_PAGE_SIZE)
         max_events = check_int("max_events", max_events, 1)
         max_event_bytes = check_int("max_event_bytes", max_event_bytes, 1)
@@ -119,7 +127,7 @@ class PrefixCache(HostTierCalls):
         self._live: set[Sequence] = set()
         pool = PagePool(self._num_pages)
         tree = BlockTree(default_hash_fn if hash_fn is None else hash_fn, self._page_size)
-        self._tier = HostTier(tree, pool, host_pages, self._events) if host_pages else None
+        self._tier = HostTier(tree, pool, host_pages, self._events, write_through) if host_pages else None
         self._store = PageStore(pool, tree, self._events, self._tier)
         # The store's pool and tree, read by the calls that only check or release.
         self._pool = self._store.pool

@@ -34,6 +34,8 @@ class Node:
     tick: when the node was last released, for LRU order.
     lru_serial: where it waits as an eviction candidate: 0 in ``BlockTree.recent``, > 0 the serial
         of its entry in ``BlockTree.older``, -1 not a candidate.
+    host_serial: the serial of its live entry in the host tier's LRU (``HostTier.heap``), -1 for
+        none.
     copies: the holders whose block tables have their own copies of the run (they computed it
         while another sequence cached it first), each with the index of the run's first page in
         its block table; None when there are none. Every other holder's block table has the
@@ -48,6 +50,7 @@ class Node:
         "copies",
         "extras",
         "host",
+        "host_serial",
         "keys",
         "lru_serial",
         "pages",
@@ -80,6 +83,7 @@ class Node:
         self.ref = 1
         self.tick = 0
         self.lru_serial = -1
+        self.host_serial = -1
         self.copies: dict[Sequence, int] | None = None
 
     @property

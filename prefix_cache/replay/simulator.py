@@ -57,7 +57,9 @@ class SchedulerConfig:
     turn, exponentially distributed (:class:`prefix_cache.replay.clock.ThinkTime`); 0 for none, the
     next turn arriving as the previous one ends. ``step_time``: simulated seconds per engine step,
     whatever it computes (20 ms: a decode step of a few dozen requests on an 8B model). ``seed``
-    seeds the think times. ``host_pages``: pages of the cache's host tier, 0 for none.
+    seeds the think times. ``host_pages``: pages of the cache's host tier, 0 for none;
+    ``host_write_through``: the tier copies pages when they are cached (``PrefixCache(...,
+    write_through=True)``), not when evicted.
     """
 
     num_pages: int = 16384
@@ -68,6 +70,7 @@ class SchedulerConfig:
     step_time: float = 0.02
     seed: int = 0
     host_pages: int = 0
+    host_write_through: bool = False
 
 
 @dataclass
@@ -508,7 +511,11 @@ def replay(
     if cache is None:
         # Nobody drains events here: recording them would only pile them up.
         cache = PrefixCache(
-            config.num_pages, config.page_size, record_events=False, host_pages=config.host_pages
+            config.num_pages,
+            config.page_size,
+            record_events=False,
+            host_pages=config.host_pages,
+            write_through=config.host_write_through and config.host_pages > 0,
         )
     total = sum(len(t.replies) for conv in conversations for t in conv.turns)
     if not progress:
