@@ -179,3 +179,66 @@ def test_a_sample_sits_out_while_its_loads_run_and_the_others_go_on() -> None:
     assert engine.cache.stats.host_hit_tokens > 0 and waited and any(overlapped)
     for a, b in zip(got, expected, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("write_through", [False, True])
+def test_a_forward_waits_only_for_saves_reading_pages_it_writes(write_through: bool) -> None:
+    """Saves that copy only when their handle is waited on or polled twice (a slow side stream,
+    simulated; loads run after the saves queued before them, as on one stream): a forward that
+    wrote a page before the save reading it had copied it would send garbage to the host, and
+    the turn that loads it back would decode other tokens. The engine waits for such saves and
+    no others: with write-through, whose saved pages stay cached, few steps wait."""
+    expected, _ = run(num_pages=512, host_pages=0)
+    model = LlamaModel.dummy(CONFIG, "cpu", torch.float32, seed=2)
+    config = EngineConfig(
+        num_pages=48,
+        page_size=4,
+        backend="torch",
+        host_pages=512,
+        host_write_through=write_through,
+        scheduler=SchedulerConfig(max_batched_tokens=256, max_num_seqs=4),
+    )
+    engine = LLMEngine(model, config)
+    save, load = engine.mover.save, engine.mover.load
+    pending: list = []
+    waits = []
+
+    class Deferred:
+        made = 0
+
+        def __init__(self, gpu_pages, host_pages) -> None:
+            Deferred.made += 1
+            self.pages, self.polls, self.copied = (np.array(gpu_pages), np.array(host_pages)), 0, False
+            pending.append(self)
+
+        def copy(self) -> None:
+            while pending and not self.copied:  # in queue order, as on one stream
+                first = pending.pop(0)
+                save(*first.pages).wait()
+                first.copied = True
+
+        def wait_on(self) -> None:
+            waits.append(self)
+            self.copy()
+
+        def done(self) -> bool:
+            self.polls += 1
+            if self.polls > 2:
+                self.copy()
+            return self.copied
+
+        ok = True
+
+    def ordered_load(host_pages, gpu_pages):
+        if pending:
+            pending[-1].copy()
+        return load(host_pages, gpu_pages)
+
+    engine.mover.save, engine.mover.load = Deferred, ordered_load
+    got = conversations(engine)
+    stats = engine.cache.stats
+    assert stats.host_hit_tokens > 0 and stats.saved_pages > 0 and waits
+    for a, b in zip(got, expected, strict=True):
+        np.testing.assert_array_equal(a, b)
+    if write_through:  # few of the batches of saves held a forward back
+        assert len(waits) < Deferred.made / 4

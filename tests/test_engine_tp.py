@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import sys
 from contextlib import contextmanager
 
@@ -198,7 +199,9 @@ def test_a_rank_that_dies_fails_the_next_step_and_the_engine_still_closes():
         eng.runner.processes[0].kill()
         eng.runner.processes[0].join()
         (sample,) = eng.step()
-        assert sample.finish_reason == "error" and "Connection closed by peer" in request.error
+        # Gloo words a dead peer as "closed" or "reset" by the peer, or as a read error, by timing.
+        assert sample.finish_reason == "error"
+        assert re.search(r"Connection (closed|reset) by peer|Read error", request.error), request.error
         eng.check_invariants()
         assert not eng.has_work() and eng.cache.num_live_sequences == 0
     finally:

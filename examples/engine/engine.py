@@ -197,11 +197,12 @@ class LLMEngine:
             return self._fail({s.request: error for s, _ in batch})
 
     def _transfer(self, batch: list[tuple[Sample, int]]) -> list[tuple[Sample, int]]:
-        """The copies the cache asks for this step, on the mover's stream: the saves of evicted
-        prefixes before this step's forward (which waits for them on the device, as it may write
-        their pages), the loads of prefixes found on the host in the background. A sample whose
-        loads are not done yet sits out until they are (other requests keep running); when they
-        fail, it computes those tokens instead. Returns this step's batch without such samples."""
+        """The copies the cache asks for this step, on the mover's stream, in the background: the
+        saves of prefixes evicted (write-back) or cached (write-through), the loads of prefixes
+        found on the host. A forward waits on the device only for saves still reading a page it
+        writes (``_wait_for_saves``). A sample whose loads are not done yet sits out until they
+        are (other requests keep running); when they fail, it computes those tokens instead.
+        Returns this step's batch without such samples."""
         failed = False
         transfers = self.cache.take_transfers()
         if transfers is not None:
@@ -209,16 +210,15 @@ class LLMEngine:
             try:
                 if len(transfers.saves):
                     saved = self.mover.save(transfers.saves[:, 0], transfers.saves[:, 1])
-                    saved.wait_on()
                 if len(transfers.loads):
                     loaded = self.mover.load(transfers.loads[:, 0], transfers.loads[:, 1])
             except Exception:  # refused before any copy: the batch fails
                 self.cache.transfers_done(transfers, ok=False)
                 failed = True
             else:
-                self._copies.append((transfers, [h for h in (saved, loaded) if h is not None]))
-        while self._copies and all(handle.done() for handle in self._copies[0][1]):
-            transfers, handles = self._copies.popleft()
+                self._copies.append((transfers, saved, [h for h in (saved, loaded) if h is not None]))
+        while self._copies and all(handle.done() for handle in self._copies[0][2]):
+            transfers, _, handles = self._copies.popleft()
             # On CUDA an error of the copies themselves shows in the stream (sticky), not here.
             ok = all(handle.ok for handle in handles)
             self.cache.transfers_done(transfers, ok=ok)
@@ -242,6 +242,8 @@ class LLMEngine:
             ]
         )
         plan = self.planner.plan(tables, starts + qo_lens, qo_lens, ps)
+        if self._copies:
+            self._wait_for_saves(slots // ps)
         # A sample gets a next token when this chunk reaches the end of its known tokens.
         done = [i for i, (s, n) in enumerate(batch) if s.num_computed + n == s.num_tokens]
         rows = (np.cumsum(qo_lens) - 1)[done]
@@ -263,6 +265,16 @@ class LLMEngine:
             if not s.finished:
                 self._append(s, token, now)
         return [s for s in sampled if s.finish_reason != "error"] + failed
+
+    def _wait_for_saves(self, written: np.ndarray) -> None:
+        """Order the saves still in flight that read a GPU page of ``written`` (the pages this
+        step's forward writes KV into: pages freed since the save was queued, and handed out again)
+        before the forward, on the device. Write-back frees the pages it saves at once, so a forward
+        soon writes them; write-through saves pages that stay cached, so most steps wait for
+        nothing."""
+        for transfers, saved, _ in self._copies:
+            if saved is not None and not saved.done() and np.isin(transfers.saves[:, 0], written).any():
+                saved.wait_on()
 
     def _fail(self, failures: dict[Request, Exception]) -> list[Sample]:
         """End each request with reason "error", ``request.error`` naming its exception; returns the
