@@ -282,3 +282,55 @@ def test_reset_empties_both_tiers() -> None:
     assert cpu_events(cache.drain_events()) == []
     assert cache.match_tiers([1, 2, 3, 4, 9]) == (0, 0)
     cache.check_invariants()
+
+
+def decode(cache: PrefixCache, seq, token: int) -> None:
+    cache.allocate(seq, 1)
+    cache.commit(seq, [token])
+
+
+def test_a_grown_run_that_loses_its_copy_removes_only_the_published_blocks() -> None:
+    """A run extended by decode whose new page finds no host room drops its copy: the CPU removes
+    name the blocks announced on the CPU, not the new one."""
+    cache = PrefixCache(8, 2, host_pages=2, write_through=True)
+    seq = cache.admit([1, 2, 3, 4, 5])
+    cache.commit(seq, [1, 2, 3, 4, 5])
+    done(cache)
+    stored = {
+        k
+        for e in cache.drain_events()
+        if isinstance(e, BlockStored) and e.medium == "CPU"
+        for k in e.block_hashes
+    }
+    assert len(stored) == 2
+    decode(cache, seq, 6)  # a third page, no host room: the copy goes
+    removed = [
+        k
+        for e in cache.drain_events()
+        if isinstance(e, BlockRemoved) and e.medium == "CPU"
+        for k in e.block_hashes
+    ]
+    assert sorted(removed) == sorted(stored)
+    cache.check_invariants()
+
+
+def test_a_grown_run_with_a_copy_partly_published_drops_it_whole() -> None:
+    """The same with the copy's last page saved but not yet done: no error, no host page lost,
+    and the unfinished copy is never announced."""
+    cache = PrefixCache(8, 2, host_pages=3, write_through=True)
+    seq = cache.admit([1, 2, 3, 4, 5])
+    cache.commit(seq, [1, 2, 3, 4, 5])
+    done(cache)
+    decode(cache, seq, 6)  # a third page and its copy, queued
+    cache.drain_events()
+    batch = cache.take_transfers()
+    decode(cache, seq, 7)
+    decode(cache, seq, 8)  # a fourth page, no host room: the copy goes
+    events = cache.drain_events()
+    cache.transfers_done(batch)
+    events += cache.drain_events()
+    cache.check_invariants()
+    assert cache.stats.free_host_pages == 3
+    assert not [e for e in events if isinstance(e, BlockStored) and e.medium == "CPU"]
+    removed = [k for e in events if isinstance(e, BlockRemoved) and e.medium == "CPU" for k in e.block_hashes]
+    assert len(removed) == 2

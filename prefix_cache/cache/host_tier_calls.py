@@ -27,15 +27,17 @@ class HostTierCalls:
 
     @property
     def num_host_cached_pages(self) -> int:
-        """Host pages holding runs evicted from the GPU (matchable)."""
+        """Host pages holding KV: runs evicted from the GPU, and with write-through copies of runs
+        still on it; a copy whose save is not done yet counts, but is matched only once it is."""
         return 0 if self._tier is None else self._tier.num_cached
 
     def take_transfers(self) -> Transfers | None:
         """The copies between the GPU pool and the host tier queued since the last call, as one
-        batch (``Transfers``: saves of evicted runs, loads of prefixes ``open`` / ``admit`` found
-        on the host), or None when there are none (and always without a host tier). Call it
-        once per step, after the step's ``open`` / ``admit`` / ``allocate`` calls and before its
-        forward, and make the copies in the order ``Transfers`` states; then ``transfers_done``.
+        batch (``Transfers``: saves of evicted runs, or with write-through of newly cached ones;
+        loads of prefixes ``open`` / ``admit`` found on the host), or None when there are none (and
+        always without a host tier). Call it once per step, after the step's ``open`` / ``admit`` /
+        ``allocate`` calls and before its forward, and make the copies in the order ``Transfers``
+        states; then ``transfers_done``.
         """
         if self._tier is None:
             return None

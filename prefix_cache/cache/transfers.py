@@ -13,7 +13,8 @@ class Transfers:
     ``PrefixCache.transfers_done`` once the copies are made.
 
     saves: int32 ``[n, 2]``, rows ``(gpu_page, host_page)``: copy the KV of GPU page ``gpu_page``
-        (every layer, K and V) into host page ``host_page``. Runs evicted from the GPU.
+        (every layer, K and V) into host page ``host_page``. Runs evicted from the GPU (write-back)
+        or just cached on it (write-through).
     loads: int32 ``[m, 2]``, rows ``(host_page, gpu_page)``: copy host page ``host_page`` into GPU
         page ``gpu_page``. Prefixes found on the host by ``open`` / ``admit``.
     ticket: the batch's number, counting from 1 in the order batches were taken.

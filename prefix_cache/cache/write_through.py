@@ -107,15 +107,17 @@ class WriteThrough:
 
     def remove_published(self, node: Node, host: array) -> None:
         """``BlockRemoved`` medium ``"CPU"`` for the pages of ``node`` whose host copies (``host``,
-        about to go) were published."""
+        about to go: those of the run's first ``len(host)`` pages, as a run extended in place has
+        its new pages at its end) were published."""
         events = self.events
         if events is None:
             return
         shown = self.published[np.frombuffer(host, dtype=np.int32)]
+        copied = node.keys[: len(host)]
         if shown.all():
-            events.emit((list(node.keys), node.root.namespace, MEDIUM_CPU))
+            events.emit((list(copied), node.root.namespace, MEDIUM_CPU))
         elif shown.any():
-            keys = [key for key, on in zip(node.keys, shown.tolist(), strict=True) if on]
+            keys = [key for key, on in zip(copied, shown.tolist(), strict=True) if on]
             events.emit((keys, node.root.namespace, MEDIUM_CPU))
 
     def publish(self, copies: list[Copy]) -> None:
