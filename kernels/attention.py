@@ -17,7 +17,8 @@ FlashInfer's ``[pages, 2, page_size, H, D]``, vLLM's ``[2, pages, page_size, H, 
 tensors, or HND views (see ``prefix_cache.attention.kv_layout``). They may be fp8 (e4m3, with a K
 and a V scale per layer): each tile is converted to q's dtype in registers after its load (exact),
 the K scale folded into the softmax scale and the V scale into the output's normalisation, so an fp8
-cache reads half the bytes and changes nothing else.
+cache reads half the bytes and changes nothing else (the dots run in q's dtype, on the exact fp8
+values).
 
 Host side for one level: ``plan_level`` builds its work list once per batch, ``launch_level`` runs
 it per layer, ``level_attention`` does both and the merge, for one-off calls. The triton backend
@@ -53,6 +54,20 @@ from prefix_cache.kernels.work import (
 
 from prefix_cache.attention.kv_layout import FP8_KV_DTYPE, KVCache, check_kv_scales, split_kv_cache
 from prefix_cache.planner.kv_split import min_split_tokens
+
+
+@triton.jit
+def _e4m3_to_f16(x):
+    """fp8 (e4m3) to fp16, exact, two values per instruction. As inline assembly with side effects
+    the conversion stays where it is written, in registers right after the tile's load: the tile
+    then goes to shared memory as 16-bit values and reaches the tensor cores through ``ldmatrix``.
+    Written as ``x.to(...)``, Triton moves the conversion past the shared-memory copy and reads
+    the fp8 tiles from shared memory a byte at a time (V, the transposed operand, wholly so): fp8
+    decode then ran slower than bf16 (benchmarks/NOTES.md, "fp8 tiles converted before shared
+    memory")."""
+    return tl.inline_asm_elementwise(
+        "cvt.rn.f16x2.e4m3x2 $0, $1;", "=r,h", [x], dtype=tl.float16, is_pure=False, pack=2
+    )
 
 
 @triton.jit
@@ -96,6 +111,9 @@ def _kv_tile(
         v = tl.load(v_ptrs)
     # fp8 K/V are dequantized in registers to q's dtype (fp32 when upcast); their scales are folded
     # into qk_scale and the output's scale. A no-op for K/V of q's dtype.
+    if not UPCAST and k.dtype == tl.float8e4nv:
+        k = _e4m3_to_f16(k)
+        v = _e4m3_to_f16(v)
     k = k.to(q.dtype)
     v = v.to(q.dtype)
 

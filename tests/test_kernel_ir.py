@@ -62,3 +62,55 @@ def test_compiled_offset_terms_have_the_promised_widths() -> None:
         1: [("page", "i64")] * 2 + [("slot", "i32")] * 2,
         2: [("page", "i64")] * 2 + [("slot", "i64")] * 2,
     }
+
+
+# Compiles the decode tile (16 rows) over fp8 and bf16 K/V for sm_90 with the specializations a
+# launch gets (16-divisible pointers and strides), and counts byte-wise shared-memory loads and
+# ldmatrix instructions in the PTX.
+_COMPILE_FP8 = r"""
+import json, re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from prefix_cache.kernels.attention import _attention_kernel
+
+names = _attention_kernel.arg_names
+found = {}
+for kv in ("*fp8e4nv", "*bf16"):
+    types = {
+        "q_ptr": "*bf16", "q_rows_ptr": "*i64", "k_ptr": kv, "v_ptr": kv, "kv_indices_ptr": "*i32",
+        "work_ptr": "*i32", "num_work_ptr": "*i32", "o_rows_ptr": "*i64", "o_ptr": "*fp32",
+        "lse_ptr": "*fp32", "final_ptr": "*bf16", "qk_scale": "fp32", "v_scale": "fp32",
+    }
+    values = dict(
+        NUM_KV_HEADS=8, PAGE_SIZE=16, GROUP_SIZE=4, TILE_Q=4, HEAD_DIM=128, BLOCK_M=16, BLOCK_N=64,
+        BLOCK_D=128, UPCAST=False, DOT_PRECISION="tf32", LAUNCH_DEPENDENTS=False, WIDE_OFFSETS=0,
+    )
+    signature = {name: types.get(name, "constexpr" if name in values else "i32") for name in names}
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, name in enumerate(names)
+        if signature[name] not in ("constexpr", "fp32")
+    }
+    constants = {(names.index(k),): v for k, v in values.items()}
+    source = ASTSource(_attention_kernel, signature, constants, attrs=attrs)
+    options = dict(num_warps=4, num_stages=2)
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+    found[kv] = {op: len(re.findall(op, ptx)) for op in ("ld.shared.b8", "ldmatrix", "mma.sync")}
+print(json.dumps(found))
+"""
+
+
+def test_fp8_tiles_reach_the_tensor_cores_as_bf16_ones_do() -> None:
+    """An fp8 decode tile is converted in registers before shared memory, so it is read from there
+    with ldmatrix like a bf16 tile, never a byte at a time (which made fp8 decode slower than bf16
+    on the H100: benchmarks/NOTES.md, "fp8 tiles converted before shared memory")."""
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPILE_FP8], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout)
+    assert found["*fp8e4nv"]["ld.shared.b8"] == 0
+    assert found["*fp8e4nv"]["ldmatrix"] == found["*bf16"]["ldmatrix"] > 0
+    assert found["*fp8e4nv"]["mma.sync"] == found["*bf16"]["mma.sync"] > 0
