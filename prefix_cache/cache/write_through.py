@@ -65,10 +65,11 @@ class WriteThrough:
             new = self.pool.take(count)
             host += new
         self.num_cached += count
-        ids = np.frombuffer(new, dtype=np.int32)
-        self.ready[ids] = False
-        self.writer[ids] = 0
-        self.saves.append((array("i", node.pages[size - count :]), array("i", new)))
+        ids = np.frombuffer(new, np.int32)
+        self.ready.put(ids, False)
+        self.writer.put(ids, 0)
+        self.save_gpu += node.pages[size - count :]
+        self.save_host += new
         self.push(node)
         if self.events is not None:
             self.copy_serial += 1
