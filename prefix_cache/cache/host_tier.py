@@ -193,19 +193,24 @@ class HostTier(HostLoads, WriteThrough):
             if node.host is not None:
                 # Write-through: the host copy is there (its save, if not done, runs before any
                 # kernel that can write the pages freed here).
+                free += pages
                 node.pages = None
                 tree.num_host_nodes += 1
             elif len(host_free) >= size or self.make_room(size, node.tick):
                 host = self.pool.take(size)
-                node.host = host
-                node.pages = None
-                tree.num_host_nodes += 1
-                self.num_cached += size
                 # Copied into the queue: a split of the run before the batch is taken cuts
                 # ``node.host`` in place.
                 self.save_gpu += pages
                 self.save_host += host
                 taken += host
+                free += pages
+                # The run's page array holds its host pages now: a long-lived array kept rather
+                # than a new one (fewer objects for the garbage collector to promote).
+                pages[:] = host
+                node.host = pages
+                node.pages = None
+                tree.num_host_nodes += 1
+                self.num_cached += size
                 if node.child is None and node.children is None:
                     self.push(node)
                 if write_through:
@@ -224,7 +229,7 @@ class HostTier(HostLoads, WriteThrough):
                     )
             else:
                 self.drop(node)
-            free += pages
+                free += pages
             tree.num_pages -= size
             tree.num_unreferenced -= size
             freed += size
