@@ -115,19 +115,24 @@ class HostLoads:
         keep = self.write_through
         root = seq._root
         table = seq._pages
+        # Without write-through, the runs' host pages, released together once they have left.
+        released = array("i")
         for node in nodes:
             size = len(node.keys)
-            pages = int_pages(table[start : start + size])
-            start += size
-            node.pages = pages
-            node.ref = 1
-            node.lru_serial = -1
-            if not keep:
+            if keep:
+                node.pages = int_pages(table[start : start + size])
+            else:
+                # The run's host page array holds its GPU pages now (one long-lived array kept).
                 host = node.host
+                released += host
+                memoryview(host)[:] = table[start : start + size]
+                node.pages = host
                 node.host = None
                 node.host_serial = -1
-                self.release_pages(host)
                 self.num_cached -= size
+            start += size
+            node.ref = 1
+            node.lru_serial = -1
             tree.num_host_nodes -= 1
             tree.num_pages += size
             if events is not None:
@@ -143,6 +148,8 @@ class HostLoads:
                         event_extras(node),
                     )
                 )
+        if released:
+            self.release_pages(released)
         tree.version += 1
         return nodes[-1]
 

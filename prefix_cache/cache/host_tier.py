@@ -166,25 +166,36 @@ class HostTier(HostLoads, WriteThrough):
         events = self.events
         write_through = self.write_through
         recent = tree.recent
+        older = tree.older
+        # The next run when it is already known: a parent that just lost its last child on the GPU
+        # and is older than every candidate (``BlockTree.evict`` does the same).
+        known: Node | None = None
         # Host pages taken here: their ``ready`` and ``writer`` are reset once, at the end (nothing
         # reads them in between, and a page taken twice here gets the same values).
         taken = array("i")
         freed = 0
         while freed < count:
-            node = tree.oldest()
-            if node is None:
-                break
+            if known is not None:
+                node = known
+                known = None
+                listed = False
+            else:
+                node = tree.oldest()
+                if node is None:
+                    break
+                listed = True
             size = len(node.pages)
             want = count - freed
             if want < size and (exact or size > SPLIT_PAGES):
                 # The run's end goes: the head stays on the GPU, with the node's age.
                 tree.split(node, size - want).tick = node.tick
                 size = want
-            # ``tree.unlist(node)``
-            if node.lru_serial == 0:
-                del recent[node]
-            node.lru_serial = -1
-            tree.num_lru -= 1
+            if listed:
+                # ``tree.unlist(node)``
+                if node.lru_serial == 0:
+                    del recent[node]
+                node.lru_serial = -1
+                tree.num_lru -= 1
             pages = node.pages
             parent = node.parent
             root = node.root
@@ -234,7 +245,18 @@ class HostTier(HostLoads, WriteThrough):
             tree.num_unreferenced -= size
             freed += size
             if parent is not root and not parent.ref and parent.lru_serial < 0 and not has_gpu_child(parent):
-                tree.push_older(parent)
+                if (
+                    freed < count
+                    and (not recent or parent.tick < next(iter(recent)).tick)
+                    and (not older or parent.tick < older[0][0])
+                ):
+                    # Taken next anyway: ties go to ``recent`` and to older heap entries. (A stale
+                    # heap head is no newer than the live one, so the test is never too lax.)
+                    known = parent
+                else:
+                    tree.push_older(parent)
+        if known is not None:
+            tree.push_older(known)
         if taken:
             ids = np.frombuffer(taken, np.int32)
             self.ready.put(ids, False)
@@ -302,11 +324,17 @@ class HostTier(HostLoads, WriteThrough):
         tree = self.tree
         root = node.root
         events = self.events
-        order = [node]
+        if node.child is None and node.children is None:
+            order = (node,)  # a leaf, the common case
+        else:
+            order = [node]
+            for run in order:
+                if run.children is not None:
+                    order.extend(run.children.values())
+                elif run.child is not None:
+                    order.append(run.child)
+            order.reverse()
         for run in order:
-            kids = run.children.values() if run.children is not None else (run.child,)
-            order.extend(kid for kid in kids if kid is not None)
-        for run in reversed(order):
             root.index.difference_update(run.keys)
             run.lru_serial = -1
             run.host_serial = -1

@@ -52,14 +52,14 @@ class WriteThrough:
         size = len(node.pages)
         tree = self.tree
         if host is None:
-            if count < size or not self.make_room(size):
+            if count < size or (len(self.pool.free) < size and not self.make_room(size)):
                 return
             new = self.pool.take(size)
             node.host = new
         else:
             # Not a candidate while room is made: its own copy stays.
             node.host_serial = -1
-            if not self.make_room(count):
+            if len(self.pool.free) < count and not self.make_room(count):
                 self.drop_copy(node)
                 return
             new = self.pool.take(count)
