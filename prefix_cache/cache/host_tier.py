@@ -393,10 +393,11 @@ class HostTier(HostLoads, WriteThrough):
         if len(saves):
             # A host page saved twice in the batch (its first run left the host before the batch
             # was taken, and another took the page): only the last save is its run's.
-            last = len(saves) - 1 - np.unique(saves[::-1, 1], return_index=True)[1]
-            if len(last) < len(saves):
+            pages = np.sort(saves[:, 1])
+            if np.count_nonzero(pages[1:] == pages[:-1]):
+                last = len(saves) - 1 - np.unique(saves[::-1, 1], return_index=True)[1]
                 saves = saves[np.sort(last)]
-            self.writer[saves[:, 1]] = self.ticket
+            self.writer.put(saves[:, 1], self.ticket)
         batch = Transfers(saves, pairs(self.loads), self.ticket)
         self.saved_pages += len(batch.saves)
         for seq in self.loading:
