@@ -28,6 +28,7 @@ class HostLoads:
         identity bytes ``extras`` or None): a ``Walk`` whose ``pages`` counts the pages found on
         the host only. Changes nothing."""
         tree = self.tree
+        ready = self.ready
         nodes: list[Node] = []
         node = start
         found = 0
@@ -40,9 +41,10 @@ class HostLoads:
             if child.pages is not None:
                 break
             same = tree._common_pages(child, data, pos, num_pages, extras)
-            ready = self.ready[np.frombuffer(child.host, dtype=np.int32, count=same)]
-            if not ready.all():
-                same = int(ready.argmin())  # its save is not done yet: matched from then on
+            # The first page whose save is not done yet, if any: matched up to there.
+            waiting = ready.take(np.frombuffer(child.host, np.int32, same)).tobytes().find(0)
+            if waiting >= 0:
+                same = waiting
             if not same:
                 break
             nodes.append(child)
@@ -61,20 +63,26 @@ class HostLoads:
             pages += node.host[: count - len(pages)]
             if len(pages) == count:
                 break
-        # Distinct pages (one prompt's runs), so one fancy-indexed add counts each once.
-        self.pins[np.frombuffer(pages, dtype=np.int32)] += 1
+        # Distinct pages (one prompt's runs), so one gather and one scatter count each once.
+        ids = np.frombuffer(pages, np.int32)
+        pins = self.pins
+        pins.put(ids, pins.take(ids) + 1)
         self.pinned += len(pages)
         return pages
 
     def unpin(self, pages: array) -> None:
         """Drop one pin of each of ``pages``; orphans whose last pin goes are free."""
-        ids = np.frombuffer(pages, dtype=np.int32)
+        ids = np.frombuffer(pages, np.int32)
         pins = self.pins
-        pins[ids] -= 1
+        left = pins.take(ids) - 1
+        pins.put(ids, left)
         self.pinned -= len(pages)
-        freed = ids[(pins[ids] == 0) & self.orphan[ids]]
+        if not self.orphaned:
+            return
+        freed = ids[(left == 0) & self.orphan.take(ids)]
         if len(freed):
             self.orphan[freed] = False
+            self.orphaned -= len(freed)
             self.pool.free.frombytes(freed.tobytes())
 
     def queue_load(self, seq: Sequence, host: array, gpu: np.ndarray) -> None:
@@ -107,19 +115,24 @@ class HostLoads:
         keep = self.write_through
         root = seq._root
         table = seq._pages
+        # Without write-through, the runs' host pages, released together once they have left.
+        released = array("i")
         for node in nodes:
             size = len(node.keys)
-            pages = int_pages(table[start : start + size])
-            start += size
-            node.pages = pages
-            node.ref = 1
-            node.lru_serial = -1
-            if not keep:
+            if keep:
+                node.pages = int_pages(table[start : start + size])
+            else:
+                # The run's host page array holds its GPU pages now (one long-lived array kept).
                 host = node.host
+                released += host
+                memoryview(host)[:] = table[start : start + size]
+                node.pages = host
                 node.host = None
                 node.host_serial = -1
-                self.release_pages(host)
                 self.num_cached -= size
+            start += size
+            node.ref = 1
+            node.lru_serial = -1
             tree.num_host_nodes -= 1
             tree.num_pages += size
             if events is not None:
@@ -135,6 +148,8 @@ class HostLoads:
                         event_extras(node),
                     )
                 )
+        if released:
+            self.release_pages(released)
         tree.version += 1
         return nodes[-1]
 

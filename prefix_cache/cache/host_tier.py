@@ -81,13 +81,15 @@ class HostTier(HostLoads, WriteThrough):
         "num_cached",
         "num_pages",
         "orphan",
+        "orphaned",
         "pinned",
         "pins",
         "pool",
         "published",
         "ready",
+        "save_gpu",
+        "save_host",
         "saved_pages",
-        "saves",
         "ticket",
         "tree",
         "write_through",
@@ -121,6 +123,7 @@ class HostTier(HostLoads, WriteThrough):
         self.pins = np.zeros(num_pages, dtype=np.int32)
         self.pinned = 0
         self.orphan = np.zeros(num_pages, dtype=bool)
+        self.orphaned = 0
         #: Per host page, the batch whose save writes its present run's bytes (0 while the save is
         #: not taken yet), and whether that save is done: only ready pages are matched, so a load
         #: never reads a page whose save may still fail.
@@ -135,9 +138,10 @@ class HostTier(HostLoads, WriteThrough):
         self.wt_copies: list[Copy] = []
         if write_through and events is not None:
             events.host_published = self.published
-        #: Copies queued since the last ``take``: pairs of page id arrays (gpu, host) for saves,
-        #: (host, gpu) for loads.
-        self.saves: list[tuple[array, array]] = []
+        #: Copies queued since the last ``take``: the saves' GPU and host pages, each pair at the
+        #: same index; pairs of page id arrays (host, gpu) for loads, one per loading sequence.
+        self.save_gpu = array("i")
+        self.save_host = array("i")
         self.loads: list[tuple[array, array]] = []
         #: Sequences whose loads are queued since the last ``take``.
         self.loading: list[Sequence] = []
@@ -158,19 +162,40 @@ class HostTier(HostLoads, WriteThrough):
         cannot take them. Returns the GPU pages freed."""
         tree = self.tree
         free = self.gpu_pool.free
+        host_free = self.pool.free
         events = self.events
+        write_through = self.write_through
+        recent = tree.recent
+        older = tree.older
+        # The next run when it is already known: a parent that just lost its last child on the GPU
+        # and is older than every candidate (``BlockTree.evict`` does the same).
+        known: Node | None = None
+        # Host pages taken here: their ``ready`` and ``writer`` are reset once, at the end (nothing
+        # reads them in between, and a page taken twice here gets the same values).
+        taken = array("i")
         freed = 0
         while freed < count:
-            node = tree.oldest()
-            if node is None:
-                break
+            if known is not None:
+                node = known
+                known = None
+                listed = False
+            else:
+                node = tree.oldest()
+                if node is None:
+                    break
+                listed = True
             size = len(node.pages)
             want = count - freed
             if want < size and (exact or size > SPLIT_PAGES):
                 # The run's end goes: the head stays on the GPU, with the node's age.
                 tree.split(node, size - want).tick = node.tick
                 size = want
-            tree.unlist(node)
+            if listed:
+                # ``tree.unlist(node)``
+                if node.lru_serial == 0:
+                    del recent[node]
+                node.lru_serial = -1
+                tree.num_lru -= 1
             pages = node.pages
             parent = node.parent
             root = node.root
@@ -179,23 +204,28 @@ class HostTier(HostLoads, WriteThrough):
             if node.host is not None:
                 # Write-through: the host copy is there (its save, if not done, runs before any
                 # kernel that can write the pages freed here).
+                free += pages
                 node.pages = None
                 tree.num_host_nodes += 1
-            elif self.make_room(size, node.tick):
+            elif len(host_free) >= size or self.make_room(size, node.tick):
                 host = self.pool.take(size)
-                node.host = host
+                # Copied into the queue: a split of the run before the batch is taken cuts
+                # ``node.host`` in place.
+                self.save_gpu += pages
+                self.save_host += host
+                taken += host
+                free += pages
+                # The run's page array holds its host pages now: a long-lived array kept rather
+                # than a new one (fewer objects for the garbage collector to promote).
+                pages[:] = host
+                node.host = pages
                 node.pages = None
                 tree.num_host_nodes += 1
                 self.num_cached += size
-                # A copy: a split of the run before the batch is taken cuts ``node.host`` in place.
-                self.saves.append((pages, array("i", host)))
-                ids = np.frombuffer(host, dtype=np.int32)
-                self.ready[ids] = False
-                self.writer[ids] = 0
                 if node.child is None and node.children is None:
                     self.push(node)
-                if self.write_through:
-                    self.published[ids] = events is not None
+                if write_through:
+                    self.published[np.frombuffer(host, np.int32)] = events is not None
                 if events is not None:
                     parent_key = None if parent is root else parent.keys[-1]
                     events.emit(
@@ -210,12 +240,27 @@ class HostTier(HostLoads, WriteThrough):
                     )
             else:
                 self.drop(node)
-            free += pages
+                free += pages
             tree.num_pages -= size
             tree.num_unreferenced -= size
             freed += size
             if parent is not root and not parent.ref and parent.lru_serial < 0 and not has_gpu_child(parent):
-                tree.push_older(parent)
+                if (
+                    freed < count
+                    and (not recent or parent.tick < next(iter(recent)).tick)
+                    and (not older or parent.tick < older[0][0])
+                ):
+                    # Taken next anyway: ties go to ``recent`` and to older heap entries. (A stale
+                    # heap head is no newer than the live one, so the test is never too lax.)
+                    known = parent
+                else:
+                    tree.push_older(parent)
+        if known is not None:
+            tree.push_older(known)
+        if taken:
+            ids = np.frombuffer(taken, np.int32)
+            self.ready.put(ids, False)
+            self.writer.put(ids, 0)
         if freed:
             tree.version += 1
         return freed
@@ -279,11 +324,17 @@ class HostTier(HostLoads, WriteThrough):
         tree = self.tree
         root = node.root
         events = self.events
-        order = [node]
+        if node.child is None and node.children is None:
+            order = (node,)  # a leaf, the common case
+        else:
+            order = [node]
+            for run in order:
+                if run.children is not None:
+                    order.extend(run.children.values())
+                elif run.child is not None:
+                    order.append(run.child)
+            order.reverse()
         for run in order:
-            kids = run.children.values() if run.children is not None else (run.child,)
-            order.extend(kid for kid in kids if kid is not None)
-        for run in reversed(order):
             root.index.difference_update(run.keys)
             run.lru_serial = -1
             run.host_serial = -1
@@ -314,39 +365,46 @@ class HostTier(HostLoads, WriteThrough):
 
     def release_pages(self, pages: array) -> None:
         """Host pages whose run let go of them: free, or orphaned while a load reads them."""
-        ids = np.frombuffer(pages, dtype=np.int32)
         if self.write_through:
             # Not this copy's any more: its pending event is dropped, a published one was removed.
-            self.copy_id[ids] = 0
-            self.published[ids] = False
-        if not self.pinned:
-            self.pool.free += pages
-            return
-        pinned = self.pins[ids] > 0
-        self.orphan[ids[pinned]] = True
-        self.pool.free.frombytes(ids[~pinned].tobytes())
+            ids = np.frombuffer(pages, np.int32)
+            self.copy_id.put(ids, 0)
+            self.published.put(ids, False)
+        if self.pinned:
+            ids = np.frombuffer(pages, np.int32)
+            pins = self.pins.take(ids)
+            if np.count_nonzero(pins):
+                pinned = pins > 0
+                orphans = ids[pinned]
+                self.orphan[orphans] = True
+                self.orphaned += len(orphans)
+                self.pool.free.frombytes(ids[~pinned].tobytes())
+                return
+        self.pool.free += pages
 
     # ------------------------------------------------------------------ batches
 
     def take_batch(self) -> Transfers | None:
         """The copies queued since the last call, as one batch, or None when there are none."""
-        if not self.saves and not self.loads:
+        if not self.save_host and not self.loads:
             return None
         self.ticket += 1
-        saves = pairs(self.saves)
+        saves = rows(self.save_gpu, self.save_host)
         if len(saves):
             # A host page saved twice in the batch (its first run left the host before the batch
             # was taken, and another took the page): only the last save is its run's.
-            last = len(saves) - 1 - np.unique(saves[::-1, 1], return_index=True)[1]
-            if len(last) < len(saves):
+            pages = np.sort(saves[:, 1])
+            if np.count_nonzero(pages[1:] == pages[:-1]):
+                last = len(saves) - 1 - np.unique(saves[::-1, 1], return_index=True)[1]
                 saves = saves[np.sort(last)]
-            self.writer[saves[:, 1]] = self.ticket
+            self.writer.put(saves[:, 1], self.ticket)
         batch = Transfers(saves, pairs(self.loads), self.ticket)
         self.saved_pages += len(batch.saves)
         for seq in self.loading:
             seq._load_ticket = self.ticket
         self.in_flight[self.ticket] = (batch, self.loading, self.wt_copies)
-        self.saves = []
+        self.save_gpu = array("i")
+        self.save_host = array("i")
         self.loads = []
         self.loading = []
         self.wt_copies = []
@@ -401,11 +459,13 @@ class HostTier(HostLoads, WriteThrough):
         self.pins[:] = 0
         self.pinned = 0
         self.orphan[:] = False
+        self.orphaned = 0
         self.writer[:] = 0
         self.ready[:] = False
         self.copy_id[:] = 0
         self.published[:] = False
-        self.saves = []
+        self.save_gpu = array("i")
+        self.save_host = array("i")
         self.loads = []
         self.loading = []
         self.wt_copies = []
@@ -420,7 +480,14 @@ def pairs(parts: list[tuple[array, array]]) -> np.ndarray:
     for a, b in parts:
         first += a
         second += b
-    rows = np.empty((len(first), 2), dtype=np.int32)
-    rows[:, 0] = np.frombuffer(first, dtype=np.int32)
-    rows[:, 1] = np.frombuffer(second, dtype=np.int32)
-    return rows
+    return rows(first, second)
+
+
+def rows(first: array, second: array) -> np.ndarray:
+    """Rows ``(a, b)`` of int32 from two equally long ``array('i')`` of page ids."""
+    if not first:
+        return _NO_PAIRS
+    out = np.empty((len(first), 2), dtype=np.int32)
+    out[:, 0] = np.frombuffer(first, dtype=np.int32)
+    out[:, 1] = np.frombuffer(second, dtype=np.int32)
+    return out

@@ -106,6 +106,9 @@ class InvariantChecker:
             if not tier.pins[page]:
                 self.fail(f"host page {page} waits for a load that does not exist")
             self.book_host(page, "left by its run, pinned")
+        orphaned = np.count_nonzero(tier.orphan)
+        if tier.orphaned != orphaned:
+            self.fail(f"{orphaned} host pages wait for loads, counter says {tier.orphaned}")
         if len(self.host_owner) != tier.num_pages:
             self.fail(
                 f"{tier.num_pages - len(self.host_owner)} host pages are neither free, cached nor pinned"

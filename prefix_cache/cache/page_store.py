@@ -217,7 +217,13 @@ class PageStore:
         # Runs on the host only that continue the pages take the sequence's pages as their GPU
         # copy below (nothing to load: the sequence computed them).
         upgrades = NO_WALK
-        if self.tier is not None and tree.num_host_nodes and twins < count and not walk.partial:
+        if (
+            self.tier is not None
+            and tree.num_host_nodes
+            and twins < count
+            and not walk.partial
+            and (after.child is not None or after.children is not None)
+        ):
             upgrades = self.tier.walk(after, data, twins, count, extras)
             if upgrades.pages:
                 last = upgrades.nodes[-1]

@@ -52,23 +52,24 @@ class WriteThrough:
         size = len(node.pages)
         tree = self.tree
         if host is None:
-            if count < size or not self.make_room(size):
+            if count < size or (len(self.pool.free) < size and not self.make_room(size)):
                 return
             new = self.pool.take(size)
             node.host = new
         else:
             # Not a candidate while room is made: its own copy stays.
             node.host_serial = -1
-            if not self.make_room(count):
+            if len(self.pool.free) < count and not self.make_room(count):
                 self.drop_copy(node)
                 return
             new = self.pool.take(count)
             host += new
         self.num_cached += count
-        ids = np.frombuffer(new, dtype=np.int32)
-        self.ready[ids] = False
-        self.writer[ids] = 0
-        self.saves.append((array("i", node.pages[size - count :]), array("i", new)))
+        ids = np.frombuffer(new, np.int32)
+        self.ready.put(ids, False)
+        self.writer.put(ids, 0)
+        self.save_gpu += node.pages[size - count :]
+        self.save_host += new
         self.push(node)
         if self.events is not None:
             self.copy_serial += 1
