@@ -1,23 +1,28 @@
 """``PrefixCache``: the engine-facing bookkeeping of KV pages shared by common prompt prefixes.
 
 This module is the public API: argument checks (:mod:`prefix_cache.cache.arguments`), the lock, and the
-sequences' lifecycle. Pages move between the pool, sequences and the block tree in
-:mod:`prefix_cache.cache.page_store`; events wait in :mod:`prefix_cache.cache.event_log`; block tables are
-written into callers' buffers by :mod:`prefix_cache.cache.block_tables`. The errors it raises live in
-:mod:`prefix_cache.cache.errors` and its consistency check in :mod:`prefix_cache.cache.invariants`; both are
-re-exported here.
+sequences' lifecycle. ``PrefixCache`` inherits its other calls from mixins beside it: prefix matching
+(:mod:`prefix_cache.cache.prefix_match`), the decode step's batch calls
+(:mod:`prefix_cache.cache.batch_calls`), the calls on the whole cache
+(:mod:`prefix_cache.cache.whole_cache_calls`), the counts (:mod:`prefix_cache.cache.cache_counts`)
+and the host tier's calls (:mod:`prefix_cache.cache.host_tier_calls`). Pages move between the pool,
+sequences and the block tree in :mod:`prefix_cache.cache.page_store`; events wait in
+:mod:`prefix_cache.cache.event_log`; block tables are written into callers' buffers by
+:mod:`prefix_cache.cache.block_tables`. The errors it raises live in :mod:`prefix_cache.cache.errors`
+(re-exported here) and its consistency check in :mod:`prefix_cache.cache.invariants`.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from prefix_cache.cache.arguments import check_batch, check_hash_fn, check_int, reject
+from prefix_cache.cache.arguments import check_hash_fn, check_int, reject
+from prefix_cache.cache.batch_calls import BatchCalls
 from prefix_cache.cache.block_tables import BlockTableWriter
 from prefix_cache.cache.block_tree import BlockTree
+from prefix_cache.cache.cache_counts import CacheCounts
 from prefix_cache.cache.errors import ConcurrentUseError, InvariantError, OutOfPages, PrefixCacheError
 from prefix_cache.cache.event_log import EventLog
-from prefix_cache.cache.events import KVCacheEvent
 from prefix_cache.cache.hashing import (
     ExtraKey,
     HashFn,
@@ -28,13 +33,13 @@ from prefix_cache.cache.hashing import (
 )
 from prefix_cache.cache.host_tier import HostTier
 from prefix_cache.cache.host_tier_calls import HostTierCalls
-from prefix_cache.cache.invariants import InvariantChecker
 from prefix_cache.cache.page_pool import PagePool
 from prefix_cache.cache.page_store import PageStore
+from prefix_cache.cache.prefix_match import PrefixMatch
 from prefix_cache.cache.sequence import Sequence
-from prefix_cache.cache.stats import CacheStats
 from prefix_cache.cache.tokens import MAX_TOKEN_ID, as_token_array
-from prefix_cache.cache.tree_nodes import NO_WALK, Root, Walk
+from prefix_cache.cache.tree_nodes import Root, Walk
+from prefix_cache.cache.whole_cache_calls import WholeCacheCalls
 
 MAX_PAGE_SIZE = 1024
 # Page ids are int32 in block tables.
@@ -51,7 +56,7 @@ _NDARRAY = np.ndarray
 __all__ = ["ConcurrentUseError", "InvariantError", "OutOfPages", "PrefixCache", "PrefixCacheError"]
 
 
-class PrefixCache(HostTierCalls):
+class PrefixCache(PrefixMatch, BatchCalls, WholeCacheCalls, CacheCounts, HostTierCalls):
     """Pages of a paged KV pool, shared between requests whose prompts start with the same tokens.
 
     A page holds ``page_size`` tokens. Full pages that a sequence commits become cached under the
@@ -98,6 +103,10 @@ class PrefixCache(HostTierCalls):
     could see it (a match or admission that reaches the run, the sequence's close, counts,
     events, eviction), which caches them first. Every call therefore sees what caching each page
     at its commit gives, at one hash pass and one tree update per sequence instead of per page.
+
+    Mixins hold the rest: ``PrefixMatch`` match, ``BatchCalls`` the batch calls, ``WholeCacheCalls``
+    evict / reset / drain_events / check_invariants, ``CacheCounts`` the counts and stats,
+    ``HostTierCalls`` the host tier's calls.
     """
 
     def __init__(
@@ -150,94 +159,7 @@ class PrefixCache(HostTierCalls):
         self._closed = 0
         self._host_hit_tokens = 0
 
-    # ------------------------------------------------------------------ properties
-
-    @property
-    def page_size(self) -> int:
-        """Tokens per page."""
-        return self._page_size
-
-    @property
-    def num_pages(self) -> int:
-        """Pages in the pool."""
-        return self._num_pages
-
-    @property
-    def num_free_pages(self) -> int:
-        """Pages holding nothing."""
-        return len(self._pool.free)
-
-    @property
-    def num_evictable_pages(self) -> int:
-        """Cached pages no live sequence holds; ``evict`` can free all of them."""
-        return self._tree.num_unreferenced
-
-    @property
-    def num_cached_pages(self) -> int:
-        """Pages in the block tree (matchable), held or not."""
-        if self._store.pending:
-            self._locked_flush()
-        return self._tree.num_pages
-
-    @property
-    def num_live_sequences(self) -> int:
-        return len(self._live)
-
-    @property
-    def stats(self) -> CacheStats:
-        """A snapshot of the counters and the occupancy now."""
-        store = self._store
-        if store.pending:
-            self._locked_flush()
-        tier = self._tier
-        host = {}
-        if tier is not None:
-            host = {
-                "host_pages": tier.num_pages,
-                "free_host_pages": len(tier.pool.free),
-                "host_cached_pages": tier.num_cached,
-                "saved_pages": tier.saved_pages,
-                "loaded_pages": tier.loaded_pages,
-                "host_evicted_pages": tier.evicted_pages,
-            }
-        return CacheStats(
-            query_tokens=self._query_tokens,
-            hit_tokens=self._hit_tokens,
-            hit_rate=self._hit_tokens / self._query_tokens if self._query_tokens else 0.0,
-            opened_sequences=self._opened,
-            closed_sequences=self._closed,
-            stored_pages=store.stored_pages,
-            duplicate_pages=store.duplicate_pages,
-            collision_pages=store.collision_pages,
-            evicted_pages=store.evicted_pages,
-            num_pages=self._num_pages,
-            free_pages=len(self._pool.free),
-            cached_pages=self._tree.num_pages,
-            evictable_pages=self._tree.num_unreferenced,
-            live_sequences=len(self._live),
-            host_hit_tokens=self._host_hit_tokens,
-            **host,
-        )
-
     # ------------------------------------------------------------------ engine API
-
-    def match(
-        self, tokens: object, namespace: Namespace = None, *, extra_keys: list[ExtraKey] | None = None
-    ) -> int:
-        """Length in tokens of the cached prefix ``open(tokens, namespace, extra_keys=...)`` would
-        lock now: whole pages, at most ``len(tokens) - 1``. Changes nothing (LRU order and
-        statistics included)."""
-        arr = as_token_array(tokens)
-        check_namespace(namespace)
-        extras = page_extras(extra_keys, len(arr), self._page_size)
-        try:
-            self._baton.pop()
-        except IndexError:
-            self._concurrent()
-        try:
-            return self._prefix_walk(arr, namespace, extras).pages * self._page_size
-        finally:
-            self._baton.append(None)
 
     def open(
         self, tokens: object, namespace: Namespace = None, *, extra_keys: list[ExtraKey] | None = None
@@ -470,102 +392,6 @@ class PrefixCache(HostTierCalls):
         finally:
             self._baton.append(None)
 
-    def allocate_batch(self, seqs: list[Sequence], num_tokens: int = 1) -> None:
-        """``allocate(seq, num_tokens)`` for each of ``seqs`` (the decode step: one slot each), all
-        or nothing: raises ``OutOfPages`` and changes nothing when the pages for all of them cannot
-        be supplied."""
-        if type(num_tokens) is not int or num_tokens < 0:
-            num_tokens = check_int("num_tokens", num_tokens, 0)
-        check_batch(self, seqs)
-        short = [seq for seq in seqs if seq._num_allocated + num_tokens > seq._capacity]
-        if not short:
-            for seq in seqs:
-                seq._num_allocated += num_tokens
-            return
-        page_size = self._page_size
-        needed = sum(-(-(seq._num_allocated + num_tokens) // page_size) - seq._num_pages for seq in short)
-        try:
-            self._baton.pop()
-        except IndexError:
-            self._concurrent()
-        try:
-            free = len(self._pool.free)
-            available = free + self._tree.num_unreferenced
-            if needed > available:
-                raise OutOfPages(needed, available)
-            for seq in short:
-                pages = -(-(seq._num_allocated + num_tokens) // page_size)
-                if pages > len(seq._pages):
-                    seq._grow(pages, page_size)  # before anything changes
-            if needed > free:
-                # The step's pages, evicted in one batch.
-                self._store.evict(needed - free)
-            pool = self._pool
-            for seq in short:
-                count = seq._num_pages
-                more = -(-(seq._num_allocated + num_tokens) // page_size) - count
-                if more == 1:
-                    seq._pages_int[count] = pool.free.pop()
-                    seq._num_pages = count + 1
-                    seq._capacity += page_size
-                else:
-                    seq._add_pages(pool.take(more), page_size)
-            for seq in seqs:
-                seq._num_allocated += num_tokens
-        finally:
-            self._baton.append(None)
-
-    def commit_batch(self, seqs: list[Sequence], tokens: object) -> None:
-        """``commit(seq, [token])`` for each of ``seqs`` and the matching entry of ``tokens`` (1-D,
-        one token per sequence): the decode step's commit. Every sequence must have a reserved
-        slot; checked for all before any is committed (ValueError, nothing changed). An error of a
-        caller's ``hash_fn`` leaves the sequences before the failing one committed."""
-        arr = as_token_array(tokens)
-        if len(arr) != len(seqs):
-            raise ValueError(f"tokens has {len(arr)} entries for {len(seqs)} sequences")
-        check_batch(self, seqs)
-        if not all(seq._num_tokens < seq._num_allocated for seq in seqs):
-            seq = next(seq for seq in seqs if seq._num_tokens >= seq._num_allocated)
-            raise ValueError(f"cannot commit: sequence {seq._id} has no reserved slot (allocate first)")
-        page_size = self._page_size
-        baton = self._baton
-        try:
-            baton.pop()
-        except IndexError:
-            self._concurrent()
-        try:
-            for seq, token in zip(seqs, arr.tolist(), strict=True):
-                n = seq._num_tokens
-                seq._tokens_int[n] = token
-                n += 1
-                if n % page_size == 0 and not seq._dirty:
-                    self._store.defer_page(seq, n, token)
-                seq._num_tokens = n
-        finally:
-            baton.append(None)
-
-    def write_block_tables(self, seqs: list[Sequence], out: np.ndarray, rows: object = None) -> int:
-        """Write the block tables of ``seqs`` into rows of ``out``, an int32 array
-        ``[max_requests, max_pages]`` the caller keeps between steps (row ``rows[i]`` for
-        ``seqs[i]``; ``rows`` defaults to ``0 .. len(seqs) - 1``). Block tables are append-only,
-        so only the entries added since the last write to the same row of the same buffer are
-        written, and rows without new entries are not touched. Entries past a sequence's
-        ``len(block_table)`` are left as they were. Returns the number of entries written. An
-        error (a row out of range, a table longer than a row) leaves the rows before it written.
-        """
-        if not isinstance(out, np.ndarray) or out.dtype != _INT32 or out.ndim != 2:
-            raise TypeError("out must be a 2-D int32 numpy array [max_requests, max_pages]")
-        if not out.flags.writeable:
-            raise ValueError("out must be writeable")
-        check_batch(self, seqs)
-        if rows is None:
-            row_ids: range | list[int] = range(len(seqs))
-        else:
-            row_ids = [check_int("rows", row, 0) for row in rows]
-            if len(row_ids) != len(seqs):
-                raise ValueError(f"rows has {len(row_ids)} entries for {len(seqs)} sequences")
-        return self._block_tables.write(seqs, out, row_ids)
-
     def close(self, seq: Sequence) -> None:
         """Release ``seq``: its cached pages stay cached (evictable once no other sequence holds
         them), its private pages (a partial last page, unused reservations, its copies of blocks
@@ -609,66 +435,6 @@ class PrefixCache(HostTierCalls):
             seq._capacity = 0
             self._live.discard(seq)
             self._closed += 1
-        finally:
-            self._baton.append(None)
-
-    def evict(self, num_pages: int) -> int:
-        """Free up to ``num_pages`` cached pages no live sequence holds, least recently used
-        first (a page's descendants before it). Returns the number of pages freed."""
-        num_pages = check_int("num_pages", num_pages, 0)
-        try:
-            self._baton.pop()
-        except IndexError:
-            self._concurrent()
-        try:
-            if self._store.pending:
-                self._store.flush()
-            return self._store.evict(num_pages, exact=True)
-        finally:
-            self._baton.append(None)
-
-    def reset(self) -> None:
-        """Invalidate the cache (after a weight update, say): drop every cached page, so nothing
-        computed before the reset can match after it, and emit ``AllBlocksCleared``.
-
-        Raises ``PrefixCacheError``, changing nothing, while sequences are open: their KV was
-        computed before the reset too, and their pages would be cached when they commit. Close
-        (or preempt) them first.
-        """
-        try:
-            self._baton.pop()
-        except IndexError:
-            self._concurrent()
-        try:
-            if self._live:
-                raise PrefixCacheError(
-                    f"reset with {len(self._live)} sequences open: close them first (their KV was "
-                    "computed before the reset and would be cached when they commit)"
-                )
-            if self._tier is not None:
-                self._clear_tiers()
-            else:
-                self._store.evict_pages(self._tree.num_unreferenced)
-            # Only stale entries can be left; drop them rather than skip them later.
-            self._tree.older.clear()
-            self._last_match = None
-            if self._events is not None:
-                self._events.clear()
-        finally:
-            self._baton.append(None)
-
-    def drain_events(self) -> list[KVCacheEvent]:
-        """The events since the last call, oldest first. After an overflow of ``max_events`` or
-        ``max_event_bytes``: ``AllBlocksCleared``, then ``BlockStored`` for every block cached now
-        (parents first), then nothing else."""
-        try:
-            self._baton.pop()
-        except IndexError:
-            self._concurrent()
-        try:
-            if self._store.pending:
-                self._store.flush()
-            return [] if self._events is None else self._events.drain(self._tree)
         finally:
             self._baton.append(None)
 
@@ -722,40 +488,6 @@ class PrefixCache(HostTierCalls):
         self._hit_tokens += num_cached + loaded
         self._host_hit_tokens += loaded
 
-    def _prefix_walk(self, arr: np.ndarray, namespace: Namespace, extras: dict[int, bytes]) -> Walk:
-        """``_walk`` from ``namespace``'s root, ``NO_WALK`` when the namespace has none."""
-        root = self._tree.roots.get(namespace)
-        return NO_WALK if root is None else self._walk(root, arr, extras)
-
-    def _walk(self, root: Root, arr: np.ndarray, extras: dict[int, bytes]) -> Walk:
-        """The longest cached prefix of ``arr`` (with the pages' ``extras``) under ``root``,
-        never covering the last token (the engine needs its logits). Changes nothing."""
-        page_size = self._page_size
-        if root.is_leaf or len(arr) <= page_size:
-            return NO_WALK
-        tree = self._tree
-        store = self._store
-        num_pages = (len(arr) - 1) // page_size
-        data = arr.tobytes()
-        if extras:
-            page_extras = [extras.get(i, b"") for i in range(num_pages)]
-            walk = tree.walk(root, data, num_pages, page_extras)
-            if store.pending and store.flush_walk_end(walk):
-                walk = tree.walk(root, data, num_pages, page_extras)
-            return walk
-        # Engines call match and then open with the same prompt: reuse the walk while the tree
-        # is unchanged (one memcmp of the prompt instead of a walk).
-        last = self._last_match
-        if last is not None and last[0] is root and last[1] == tree.version and last[2] == data:
-            walk = last[3]
-        else:
-            walk = tree.walk(root, data, num_pages, None)
-        # A run whose sequence's decoded pages wait (see PageStore.defer_page) may continue.
-        if store.pending and store.flush_walk_end(walk):
-            walk = tree.walk(root, data, num_pages, None)
-        self._last_match = (root, tree.version, data, walk)
-        return walk
-
     def _store_locked(self, seq: Sequence, end: int) -> None:
         """``PageStore.store_full_pages`` under the lock: ``commit``'s path for several tokens."""
         try:
@@ -768,20 +500,6 @@ class PrefixCache(HostTierCalls):
             self._store.store_full_pages(seq, end)
         finally:
             self._baton.append(None)
-
-    # ------------------------------------------------------------------ checking
-
-    def check_invariants(self) -> None:
-        """Verify the whole bookkeeping; raise ``InvariantError`` naming the first inconsistency.
-
-        Checks that every page is exactly one of free, private to one live sequence, or in the
-        tree; that each node's key, parent link and reference count are right (refs equal the
-        live sequences through it); that the LRU candidates are exactly the unreferenced leaves;
-        and that each live sequence's counters, tokens and block table agree. O(pool + tokens).
-        """
-        if self._store.pending:
-            self._locked_flush()
-        InvariantChecker(self).run()
 
     def _locked_flush(self) -> None:
         """``PageStore.flush`` under the lock: the deferred pages of the decode path are cached."""
