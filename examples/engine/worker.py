@@ -86,20 +86,29 @@ class EngineWorker:
         except queue.Empty:
             pass
         samples = engine.step()
+        now = time.perf_counter()
         prefilled = 0
         for sample in samples:
             if sample.index == 0 and sample.num_output == 1 and sample.finish_reason != "error":
                 prefilled += len(sample.request.prompt)
-            self._publish(sample)
         new_tokens = sum(s.finish_reason != "error" for s in samples)
         self.metrics.on_step(engine, new_tokens, prefilled)
-        now = time.perf_counter()
-        for sample in samples:  # after all of the step's tokens are out: several samples end at once
+        # The metrics of the requests this step ended are recorded before their last tokens go out,
+        # so a client that reads /metrics after its response sees them; several samples of one
+        # request may end in the same step, so a request is recorded once.
+        ended = {}
+        for sample in samples:
             request = sample.request
-            if request.finished and self._streams.pop(request.request_id, None) is not None:
-                self.metrics.on_finished(request, now)
-                if request.error is not None:
-                    log.warning("request %s failed in the engine: %s", request.request_id, request.error)
+            if request.finished and request.request_id in self._streams:
+                ended[request.request_id] = request
+        for request in ended.values():
+            self.metrics.on_finished(request, now)
+            if request.error is not None:
+                log.warning("request %s failed in the engine: %s", request.request_id, request.error)
+        for sample in samples:
+            self._publish(sample)
+        for request_id in ended:
+            del self._streams[request_id]
         line = self.metrics.log_line(self.log_interval)
         if line:
             log.info(line)
