@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from prefix_cache import OutOfPages, PrefixCache, Transfers
+from prefix_cache.cache.events import AllBlocksCleared, BlockRemoved, BlockStored
 from prefix_cache.events import BlockIndex
 
 VOCAB = 3
@@ -52,6 +53,8 @@ class TierMachine(RuleBasedStateMachine):
         self.in_flight: list[tuple[Transfers, bool]] = []
         # A router's view, from the cache's events alone.
         self.index = BlockIndex(1, page_size)
+        #: Block key -> the tiers the events say hold it, for the order check in ``consistent``.
+        self.announced: dict[int, set[str]] = {}
 
     # ------------------------------------------------------------------ the engine's side
 
@@ -235,7 +238,22 @@ class TierMachine(RuleBasedStateMachine):
     def consistent(self) -> None:
         if hasattr(self, "cache"):
             self.cache.check_invariants()
-            self.index.apply(0, self.cache.drain_events())
+            events = self.cache.drain_events()
+            for event in events:
+                # In event order, a stored run's parent is held on some tier (a router applying
+                # events in order always knows it), and a removed block was announced there.
+                if isinstance(event, BlockStored):
+                    parent = event.parent_block_hash
+                    assert parent is None or self.announced.get(parent), event
+                    for key in event.block_hashes:
+                        self.announced.setdefault(key, set()).add(event.medium)
+                elif isinstance(event, BlockRemoved):
+                    for key in event.block_hashes:
+                        assert event.medium in self.announced.get(key, ()), event
+                        self.announced[key].discard(event.medium)
+                elif isinstance(event, AllBlocksCleared):
+                    self.announced.clear()
+            self.index.apply(0, events)
             for namespace, prompt in self.prompts[-4:]:
                 (gpu, host), cache_gpu, (_, cache_host) = (
                     self.index.match_tiers(prompt, namespace)[0],

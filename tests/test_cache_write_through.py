@@ -334,3 +334,28 @@ def test_a_grown_run_with_a_copy_partly_published_drops_it_whole() -> None:
     assert not [e for e in events if isinstance(e, BlockStored) and e.medium == "CPU"]
     removed = [k for e in events if isinstance(e, BlockRemoved) and e.medium == "CPU" for k in e.block_hashes]
     assert len(removed) == 2
+
+
+def test_copies_are_announced_in_the_order_their_batches_were_taken() -> None:
+    """A child's copy in a batch done before its parent's batch is announced after the parent's,
+    so a router that applies events in order knows every block's parent first."""
+    cache = PrefixCache(8, 1, host_pages=8, write_through=True)
+    seq = cache.admit([1, 2, 3, 4])
+    cache.commit(seq, [1, 2])
+    cache.close(seq)
+    first = cache.take_transfers()
+    seq = cache.admit([1, 2, 3, 4])
+    cache.commit(seq, [3])
+    cache.close(seq)
+    second = cache.take_transfers()
+    cache.drain_events()
+    cache.transfers_done(second)
+    assert not cpu_events(cache.drain_events())  # its parent's batch is not done
+    cache.transfers_done(first)
+    stored = [e for e in cache.drain_events() if isinstance(e, BlockStored) and e.medium == "CPU"]
+    known = set()
+    for event in stored:
+        assert event.parent_block_hash is None or event.parent_block_hash in known
+        known.update(event.block_hashes)
+    assert len(known) == 3
+    cache.check_invariants()

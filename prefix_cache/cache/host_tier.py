@@ -74,6 +74,7 @@ class HostTier(HostLoads, WriteThrough):
         "evicted_pages",
         "gpu_pool",
         "heap",
+        "held",
         "in_flight",
         "loaded_pages",
         "loading",
@@ -147,6 +148,12 @@ class HostTier(HostLoads, WriteThrough):
         self.loading: list[Sequence] = []
         #: Ticket -> the batch, the sequences whose loads it makes, its write-through copies.
         self.in_flight: dict[int, tuple[Transfers, list[Sequence], list[Copy]]] = {}
+        #: Ticket -> the host pages saved by a batch with write-through copies, done while an
+        #: earlier batch is not, and those copies: they become matchable and are announced once
+        #: every earlier batch is done, so both follow the order batches were taken (a run's parent
+        #: is announced and matchable before it, as routers expect). Runs moved by write-back are
+        #: announced when they move, and matchable once their own batch is done.
+        self.held: dict[int, tuple[np.ndarray, list[Copy]]] = {}
         self.ticket = 0
         self.saved_pages = 0
         self.loaded_pages = 0
@@ -423,12 +430,21 @@ class HostTier(HostLoads, WriteThrough):
         if len(batch.saves):
             # Pages written by a later batch since, or freed, are not this batch's any more.
             written = batch.saves[:, 1][self.writer[batch.saves[:, 1]] == ticket]
-            if ok:
+            if ok and copies:
+                self.held[ticket] = (written, copies)
+            elif ok:
                 self.ready[written] = True
-                if copies:
-                    self.publish(copies)
             elif len(written):
                 self.forget(set(written.tolist()))
+        if self.held:
+            oldest = min(self.in_flight, default=None)
+            for done in sorted(self.held):
+                if oldest is not None and done > oldest:
+                    break
+                written, copies = self.held.pop(done)
+                self.ready[written[self.writer[written] == done]] = True
+                if copies:
+                    self.publish(copies)
         waiting = [seq for seq in seqs if seq._owner is not None and seq._load_ticket == ticket]
         for seq in waiting:
             self.unpin(seq._load_host)
@@ -464,6 +480,7 @@ class HostTier(HostLoads, WriteThrough):
         self.ready[:] = False
         self.copy_id[:] = 0
         self.published[:] = False
+        self.held = {}
         self.save_gpu = array("i")
         self.save_host = array("i")
         self.loads = []
