@@ -273,3 +273,19 @@ def test_command_line_runs_without_triton_installed():
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_a_tiny_temperature_samples_the_greedy_tokens():
+    """Logits over a temperature of 1e-177 overflow to inf (and the softmax to NaN) unless shifted
+    by their largest first; shifted, only the largest keeps any probability."""
+    config = dataclasses.replace(
+        LLAMA_1B, num_layers=2, hidden_size=64, intermediate_size=128, vocab_size=300, head_dim=16
+    )
+    model = LlamaModel.dummy(config, "cpu", torch.float32, seed=2)
+
+    def generate(**kwargs) -> np.ndarray:
+        eng = LLMEngine(model, EngineConfig(num_pages=64, page_size=4, backend="torch"))
+        params = SamplingParams(max_tokens=6, ignore_eos=True, **kwargs)
+        return eng.generate([np.arange(1, 40)], params)[0][0]
+
+    np.testing.assert_array_equal(generate(temperature=1e-177, seed=1), generate())

@@ -41,7 +41,11 @@ def _draw(logits: torch.Tensor, s: Sample) -> int:
         seed = params.seed if params.seed is not None else int(torch.seed() % 2**62)
         # An int64 seed plus an index under 64 is in the range torch generators take, [-2**63, 2**64).
         s.generator.manual_seed(seed + s.index)
-    probs = torch.softmax(logits / params.temperature, dim=-1)
+    # In float64 (a temperature such as 1e-177 is 0 in float32) and shifted by the row's largest
+    # logit first, so a tiny temperature sends the others to -inf (their probabilities to 0) rather
+    # than every logit to +-inf (and the softmax to NaN).
+    shifted = logits.double() - logits.max().double()
+    probs = torch.softmax(shifted / params.temperature, dim=-1)
     if params.top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
         # Keep the smallest set whose mass reaches top_p (the first token always).
