@@ -35,10 +35,7 @@ class BatchCalls:
             return
         page_size = self._page_size
         needed = sum(-(-(seq._num_allocated + num_tokens) // page_size) - seq._num_pages for seq in short)
-        try:
-            self._baton.pop()
-        except IndexError:
-            self._concurrent()
+        self._enter()
         try:
             free = len(self._pool.free)
             available = free + self._tree.num_unreferenced

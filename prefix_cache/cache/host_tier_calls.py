@@ -41,10 +41,7 @@ class HostTierCalls:
         """
         if self._tier is None:
             return None
-        try:
-            self._baton.pop()
-        except IndexError:
-            self._concurrent()
+        self._enter()
         try:
             return self._tier.take_batch()
         finally:
@@ -66,10 +63,7 @@ class HostTierCalls:
             raise TypeError(f"expected Transfers from take_transfers, got {type(batch).__name__}")
         if type(ok) is not bool:
             raise TypeError(f"ok must be a bool, got {type(ok).__name__}")
-        try:
-            self._baton.pop()
-        except IndexError:
-            self._concurrent()
+        self._enter()
         try:
             tier = self._tier
             if tier is None or not tier.in_flight_batch(batch):
@@ -106,10 +100,7 @@ class HostTierCalls:
         arr = as_token_array(tokens)
         check_namespace(namespace)
         extras = page_extras(extra_keys, len(arr), self._page_size)
-        try:
-            self._baton.pop()
-        except IndexError:
-            self._concurrent()
+        self._enter()
         try:
             walk = self._prefix_walk(arr, namespace, extras)
             page_size = self._page_size

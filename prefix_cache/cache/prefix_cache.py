@@ -180,10 +180,7 @@ class PrefixCache(PrefixMatch, BatchCalls, WholeCacheCalls, CacheCounts, HostTie
         extras = page_extras(extra_keys, len(arr), self._page_size)
         # Everything that allocates comes before the first change, so a MemoryError changes nothing.
         seq = self._new_sequence(arr, namespace, 0)
-        try:
-            self._baton.pop()
-        except IndexError:
-            self._concurrent()
+        self._enter()
         try:
             self._open(seq, arr, namespace, extras, self._prefix_walk(arr, namespace, extras))
             return seq
@@ -208,10 +205,7 @@ class PrefixCache(PrefixMatch, BatchCalls, WholeCacheCalls, CacheCounts, HostTie
         check_namespace(namespace)
         extra_tokens = check_int("extra_tokens", extra_tokens, 0)
         extras = page_extras(extra_keys, len(arr), self._page_size)
-        try:
-            self._baton.pop()
-        except IndexError:
-            self._concurrent()
+        self._enter()
         try:
             walk = self._prefix_walk(arr, namespace, extras)
             end = len(arr) + extra_tokens
@@ -376,10 +370,7 @@ class PrefixCache(PrefixMatch, BatchCalls, WholeCacheCalls, CacheCounts, HostTie
         if owner is not self:
             reject(self, seq)
         num_tokens = check_int("num_tokens", num_tokens, seq._num_tokens, seq._num_allocated)
-        try:
-            self._baton.pop()
-        except IndexError:
-            self._concurrent()
+        self._enter()
         try:
             keep = -(-num_tokens // self._page_size)
             if keep < seq._num_pages:
@@ -402,10 +393,7 @@ class PrefixCache(PrefixMatch, BatchCalls, WholeCacheCalls, CacheCounts, HostTie
             raise TypeError(f"expected a Sequence, got {type(seq).__name__}") from None
         if owner is not self:
             reject(self, seq)
-        try:
-            self._baton.pop()
-        except IndexError:
-            self._concurrent()
+        self._enter()
         try:
             if seq._dirty:
                 self._store.flush_seq(seq)
@@ -439,6 +427,15 @@ class PrefixCache(PrefixMatch, BatchCalls, WholeCacheCalls, CacheCounts, HostTie
             self._baton.append(None)
 
     # ------------------------------------------------------------------ internals
+
+    def _enter(self) -> None:
+        """Take ``_baton`` (given back with ``self._baton.append(None)`` in a ``finally``), or
+        raise ``ConcurrentUseError`` when another thread holds it. The per-token calls take it
+        inline, sparing this call."""
+        try:
+            self._baton.pop()
+        except IndexError:
+            self._concurrent()
 
     def _concurrent(self) -> None:
         """Raise ``ConcurrentUseError``; called where taking ``_baton`` failed with IndexError."""
@@ -490,10 +487,7 @@ class PrefixCache(PrefixMatch, BatchCalls, WholeCacheCalls, CacheCounts, HostTie
 
     def _store_locked(self, seq: Sequence, end: int) -> None:
         """``PageStore.store_full_pages`` under the lock: ``commit``'s path for several tokens."""
-        try:
-            self._baton.pop()
-        except IndexError:
-            self._concurrent()
+        self._enter()
         try:
             if seq._dirty:
                 self._store.flush_seq(seq)
@@ -503,10 +497,7 @@ class PrefixCache(PrefixMatch, BatchCalls, WholeCacheCalls, CacheCounts, HostTie
 
     def _locked_flush(self) -> None:
         """``PageStore.flush`` under the lock: the deferred pages of the decode path are cached."""
-        try:
-            self._baton.pop()
-        except IndexError:
-            self._concurrent()
+        self._enter()
         try:
             self._store.flush()
         finally:

@@ -28,10 +28,7 @@ class PrefixMatch:
         arr = as_token_array(tokens)
         check_namespace(namespace)
         extras = page_extras(extra_keys, len(arr), self._page_size)
-        try:
-            self._baton.pop()
-        except IndexError:
-            self._concurrent()
+        self._enter()
         try:
             return self._prefix_walk(arr, namespace, extras).pages * self._page_size
         finally:

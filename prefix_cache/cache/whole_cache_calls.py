@@ -21,10 +21,7 @@ class WholeCacheCalls:
         """Free up to ``num_pages`` cached pages no live sequence holds, least recently used
         first (a page's descendants before it). Returns the number of pages freed."""
         num_pages = check_int("num_pages", num_pages, 0)
-        try:
-            self._baton.pop()
-        except IndexError:
-            self._concurrent()
+        self._enter()
         try:
             if self._store.pending:
                 self._store.flush()
@@ -40,10 +37,7 @@ class WholeCacheCalls:
         computed before the reset too, and their pages would be cached when they commit. Close
         (or preempt) them first.
         """
-        try:
-            self._baton.pop()
-        except IndexError:
-            self._concurrent()
+        self._enter()
         try:
             if self._live:
                 raise PrefixCacheError(
@@ -66,10 +60,7 @@ class WholeCacheCalls:
         """The events since the last call, oldest first. After an overflow of ``max_events`` or
         ``max_event_bytes``: ``AllBlocksCleared``, then ``BlockStored`` for every block cached now
         (parents first), then nothing else."""
-        try:
-            self._baton.pop()
-        except IndexError:
-            self._concurrent()
+        self._enter()
         try:
             if self._store.pending:
                 self._store.flush()
