@@ -507,6 +507,20 @@ def host_page_counts(text: str) -> list[int]:
     return [parse(part) for part in text.split(",")]
 
 
+def host_modes(text: str) -> list[str]:
+    """``--host-modes``: comma-separated of "back" (write-back) and "through" (write-through)."""
+    modes = text.split(",")
+    bad = [mode for mode in modes if mode not in ("back", "through")]
+    if bad or len(set(modes)) != len(modes):
+        raise argparse.ArgumentTypeError(f"host modes are back and through, each once: {text!r}")
+    return modes
+
+
+def host_arms(sizes: list[int], modes: list[str]) -> list[tuple[int, str]]:
+    """(host pages, mode) of each run: size 0 (no tier) once, every other size once per mode."""
+    return [(size, mode) for size in sizes for mode in (modes if size else modes[:1])]
+
+
 def run_config(
     model: object,
     chat: ChatFormat,
@@ -519,10 +533,12 @@ def run_config(
     graphs: str,
     kv_dtype: str = "auto",
     host_pages: int = 0,
+    host_mode: str = "back",
 ) -> dict:
     """One configuration on a new engine: warm-up, then the measured replay; its result row. An fp8
     pool (``kv_dtype``) holds the bytes of ``--num-pages`` pages at the model's dtype; ``host_pages``
-    sizes the cache's host tier (0: none)."""
+    sizes the cache's host tier (0: none), ``host_mode`` ("back" or "through") says when prefixes are
+    copied to it: when evicted from the GPU, or when first cached."""
     caching, cascade = CONFIGS[name]
     num_pages = args.num_pages * (model.dtype.itemsize if kv_dtype == "fp8" else 1)
     config = EngineConfig(
@@ -534,6 +550,7 @@ def run_config(
         scheduler=SchedulerConfig(args.max_batched_tokens, args.max_num_seqs, caching),
         cuda_graphs=graphs == "on",
         host_pages=host_pages,
+        host_write_through=bool(host_pages) and host_mode == "through",
     )
     load = model_loader(args.model, args.layers, model.dtype)
     engine = tensor_parallel_engine(model, config, chat.stop_token_ids, args.tensor_parallel_size, load)
@@ -550,8 +567,11 @@ def run_config(
     requests = sum(len(c.turns) for c in conversations)
     # The limit cut the run short only if some turns were never sent.
     row = {
-        "config": name + (f", host tier {host_pages} pages" if host_pages else ""),
+        "config": name
+        + (f", host tier {host_pages} pages" if host_pages else "")
+        + (", write-through" if host_pages and host_mode == "through" else ""),
         "host_pages": host_pages,
+        "host_write_through": bool(host_pages) and host_mode == "through",
         "host_hit_tokens": engine.cache.stats.host_hit_tokens,
         "backend": backend,
         "kv_cache_dtype": str(engine.kv_pool[0].dtype).removeprefix("torch."),
@@ -609,6 +629,13 @@ def main(argv: list[str] | None = None) -> int:
         type=host_page_counts,
         default=[0],
         help="comma-separated host tier sizes in pages, each a run of every configuration (0: none)",
+    )
+    ap.add_argument(
+        "--host-modes",
+        type=host_modes,
+        default=["back"],
+        help="comma-separated back / through: when prefixes are copied to the host tier (when evicted, "
+        "or when first cached); each runs every nonzero --host-pages",
     )
     ap.add_argument("--system-tokens", type=int, default=300, help="length of the shared system prompt")
     ap.add_argument("--max-user-tokens", type=int, default=256)
@@ -714,7 +741,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in configs:
             for mode in modes:
                 for kv_dtype in kv_dtypes:
-                    for host_pages in args.host_pages:
+                    for host_pages, host_mode in host_arms(args.host_pages, args.host_modes):
                         results.append(
                             run_config(
                                 model,
@@ -728,6 +755,7 @@ def main(argv: list[str] | None = None) -> int:
                                 mode,
                                 kv_dtype,
                                 host_pages,
+                                host_mode,
                             )
                         )
                 if args.device.startswith("cuda"):
