@@ -26,8 +26,10 @@ from prefix_cache.offload import HostKVPool, KVMover
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-#: GPU cycles of ``torch.cuda._sleep``: tens of milliseconds, far longer than queuing a batch.
-BUSY = 100_000_000
+#: GPU cycles of ``torch.cuda._sleep``: a quarter of a second, far longer than queuing a batch on a
+#: warm mover, even with other processes on the GPU (at 50 ms, a first save on a shared device was
+#: still being queued when the sleep ended).
+BUSY = 500_000_000
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -45,6 +47,7 @@ def fill(kv_caches, page: int, value: int) -> None:
 
 def test_a_save_waits_for_the_write_queued_before_it() -> None:
     kv_caches, pool, mover = build("nhd5", torch.bfloat16, device="cuda")
+    mover.save([5], [0]).wait()  # first use allocates: not part of what is timed against the sleep
     compute = torch.cuda.Stream()
     with torch.cuda.stream(compute):
         torch.cuda._sleep(BUSY)

@@ -134,7 +134,9 @@ class LlamaModel:
         self, num_pages: int, page_size: int, dtype: torch.dtype | None = None
     ) -> list[torch.Tensor]:
         """Per layer, ``[num_pages, 2, page_size, num_kv_heads, head_dim]`` (this model's KV heads: a
-        shard's own) in ``dtype``: the model's (default) or fp8, half the bytes of bf16 per page."""
+        shard's own) in ``dtype``: the model's (default) or fp8, half the bytes of bf16 per page.
+        The layers are views of one ``[num_layers, ...]`` tensor, so the host tier's mover gathers a
+        page of every layer in one op rather than one per layer (docs/offload.md)."""
         c = self.config
         dtype = dtype or self.dtype
         if dtype not in (self.dtype, FP8_KV_DTYPE):
@@ -142,7 +144,7 @@ class LlamaModel:
                 f"a KV pool holds the model's dtype ({self.dtype}) or {FP8_KV_DTYPE}, not {dtype}"
             )
         shape = (num_pages, 2, page_size, self.num_kv_heads, c.head_dim)
-        return [torch.zeros(shape, device=self.device, dtype=dtype) for _ in range(c.num_layers)]
+        return list(torch.zeros((c.num_layers, *shape), device=self.device, dtype=dtype))
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for ``positions`` ([T] int64), each [T, 1, head_dim] in the model's dtype. Computed
