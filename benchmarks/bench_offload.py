@@ -15,9 +15,10 @@ queuing the batch). The arms:
   per page: the worst case).
 
 ``--overlap N`` also times a decode-step stand-in (``--layers`` matmuls of a 64-token batch by
-[4096, 12288] bf16 weights, 3 GiB read per step, memory-bound as a decode step is) alone and while
-the mover keeps a save of N pages in flight on its side stream the whole time: what the model's
-step loses to background saves.
+[4096, 12288] bf16 weights, 3 GiB read per step, memory-bound as a decode step is) alone, while
+the mover keeps a save of N pages in flight on its side stream the whole time, and while one
+pinned ``copy_`` of the same bytes is kept in flight instead: what the model's step loses to
+background saves, and how much of that the copy engine alone costs.
 
 Every mover arm is checked once per size: a scattered save then a load into other pages reproduces
 the saved pages bitwise ("bitwise" column). The default shapes are Llama-3-8B's (32 layers, 8 KV
@@ -153,44 +154,63 @@ def bench_size(n: int, mover: KVMover, kv_caches, flat_gpu, flat_host, rounds: i
 
 
 def overlap_row(mover: KVMover, pages: int, layers: int, rounds: int, rng) -> dict:
-    """Median ms of a decode-step stand-in alone and with saves of ``pages`` pages always in flight,
-    alternating over ``rounds`` rounds of 20 steps; and the saves' GB/s while overlapped."""
+    """Median ms of a decode-step stand-in alone, with the mover's saves of ``pages`` pages always in
+    flight, and with one pinned ``copy_`` of the same bytes always in flight on a side stream (the
+    copy engine alone, no gather: the floor of any save), the three alternating over ``rounds``
+    rounds of 20 steps; and the GB/s each kind of save moved meanwhile."""
     weights = torch.randn(layers, 4096, 12288, device="cuda").to(torch.bfloat16)
     x = torch.randn(64, 4096, device="cuda").to(torch.bfloat16)
     src = rng.choice(mover.num_pages, pages, replace=False)
     dst = rng.choice(mover.host_pool.num_pages, pages, replace=False)
+    nbytes = pages * mover.host_pool.page_bytes
+    flat_gpu = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    flat_host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    side = torch.cuda.Stream()
     steps = 20
 
-    def run(saving: bool) -> tuple[float, int]:
-        handle, saves = None, 0
+    def plain_copy() -> torch.cuda.Event:
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            flat_host.copy_(flat_gpu, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(side)
+        return done
+
+    def run(kind: str | None) -> tuple[float, int]:
+        pending, saves = None, 0
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(steps):
-            if saving and (handle is None or handle.done()):
-                handle, saves = mover.save(src, dst), saves + 1
+            if kind and (pending is None or (pending.done() if kind == "mover" else pending.query())):
+                pending, saves = (mover.save(src, dst) if kind == "mover" else plain_copy()), saves + 1
             for layer in range(layers):
                 torch.matmul(x, weights[layer])
         end.record()
         end.synchronize()
-        if handle is not None:
-            handle.wait()
+        torch.cuda.synchronize()
         return start.elapsed_time(end) / steps, saves
 
-    run(False), run(True)  # warm-up
-    alone, overlapped, saved = [], [], 0
+    kinds = (None, "mover", "copy_")
+    for kind in kinds:  # warm-up
+        run(kind)
+    times: dict = {kind: [] for kind in kinds}
+    saved = dict.fromkeys(kinds, 0)
     for _ in range(rounds):
-        alone.append(run(False)[0])
-        ms, saves = run(True)
-        overlapped.append(ms)
-        saved += saves
+        for kind in kinds:
+            ms, saves = run(kind)
+            times[kind].append(ms)
+            saved[kind] += saves
     row = {
         "pages": pages,
-        "step_ms": statistics.median(alone),
-        "step_ms_saving": statistics.median(overlapped),
+        "step_ms": statistics.median(times[None]),
+        "step_ms_saving": statistics.median(times["mover"]),
+        "step_ms_copy": statistics.median(times["copy_"]),
     }
     row["ratio"] = row["step_ms_saving"] / row["step_ms"]
-    row["save_gb_per_s"] = saved * pages * mover.host_pool.page_bytes / (sum(overlapped) * steps * 1e-3) / 1e9
+    row["ratio_copy"] = row["step_ms_copy"] / row["step_ms"]
+    for kind, key in (("mover", "save_gb_per_s"), ("copy_", "copy_gb_per_s")):
+        row[key] = saved[kind] * nbytes / (sum(times[kind]) * steps * 1e-3) / 1e9
     return row
 
 
@@ -325,7 +345,9 @@ def main() -> None:
             f"and with saves of {overlap['pages']} pages always in flight (medians of {args.rounds} "
             f"rounds of 20 steps): {overlap['step_ms']:.3f} ms alone, {overlap['step_ms_saving']:.3f} ms "
             f"saving ({overlap['ratio']:.3f}x); the saves moved {overlap['save_gb_per_s']:.1f} GB/s "
-            "meanwhile."
+            f"meanwhile. With one pinned copy_ of the same bytes always in flight instead (the copy "
+            f"engine alone, no gather): {overlap['step_ms_copy']:.3f} ms ({overlap['ratio_copy']:.3f}x), "
+            f"{overlap['copy_gb_per_s']:.1f} GB/s."
         )
     print(table)
     out = Path(args.out)
