@@ -199,9 +199,8 @@ def test_a_rank_that_dies_fails_the_next_step_and_the_engine_still_closes():
         eng.runner.processes[0].kill()
         eng.runner.processes[0].join()
         (sample,) = eng.step()
-        # Gloo words a dead peer as "closed" or "reset" by the peer, or as a read error, by timing.
         assert sample.finish_reason == "error"
-        assert re.search(r"Connection (closed|reset) by peer|Read error", request.error), request.error
+        assert re.search(r"tensor-parallel rank 1 has exited \(code -9\)", request.error), request.error
         eng.check_invariants()
         assert not eng.has_work() and eng.cache.num_live_sequences == 0
     finally:

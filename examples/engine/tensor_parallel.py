@@ -193,6 +193,11 @@ class TensorParallelRunner(ModelRunner):
         slots: np.ndarray,
         rows: np.ndarray,
     ) -> tuple[torch.Tensor, bool]:
+        # A rank that has exited fails the step here: a broadcast to it can wait forever (gloo
+        # does not always notice a closed peer) rather than raise.
+        for rank, process in enumerate(self.processes, 1):
+            if not process.is_alive():
+                raise RuntimeError(f"tensor-parallel rank {rank} has exited (code {process.exitcode})")
         self.channel.send(pack_step(plan, tokens, positions, slots, rows))
         return super().execute(plan, tokens, positions, slots, rows)
 
