@@ -193,8 +193,10 @@ class TensorParallelRunner(ModelRunner):
         slots: np.ndarray,
         rows: np.ndarray,
     ) -> tuple[torch.Tensor, bool]:
-        # A rank that has exited fails the step here: a broadcast to it can wait forever (gloo
-        # does not always notice a closed peer) rather than raise.
+        # A rank that has exited between steps fails the step here: a broadcast to it can wait
+        # forever (gloo does not always notice a closed peer) rather than raise. This narrows the
+        # window, it does not close it: a rank that dies during a step's collectives still leaves
+        # the others waiting, up to the process group's timeout.
         for rank, process in enumerate(self.processes, 1):
             if not process.is_alive():
                 raise RuntimeError(f"tensor-parallel rank {rank} has exited (code {process.exitcode})")
