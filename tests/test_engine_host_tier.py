@@ -40,13 +40,10 @@ def conversations(engine: LLMEngine, turns: int = 3) -> list[np.ndarray]:
     return outputs
 
 
-def run(
-    num_pages: int,
-    host_pages: int,
-    fail_loads: bool = False,
-    device: str = "cpu",
-    write_through: bool = False,
-) -> tuple[list[np.ndarray], LLMEngine]:
+def new_engine(
+    num_pages: int, host_pages: int, device: str = "cpu", write_through: bool = False
+) -> LLMEngine:
+    """The test model on a pool of ``num_pages`` pages of 4 tokens and a host tier of ``host_pages``."""
     model = LlamaModel.dummy(CONFIG, device, torch.float32, seed=2)
     config = EngineConfig(
         num_pages=num_pages,
@@ -56,7 +53,17 @@ def run(
         host_write_through=write_through,
         scheduler=SchedulerConfig(max_batched_tokens=256, max_num_seqs=4),
     )
-    engine = LLMEngine(model, config)
+    return LLMEngine(model, config)
+
+
+def run(
+    num_pages: int,
+    host_pages: int,
+    fail_loads: bool = False,
+    device: str = "cpu",
+    write_through: bool = False,
+) -> tuple[list[np.ndarray], LLMEngine]:
+    engine = new_engine(num_pages, host_pages, device, write_through)
     if fail_loads:
         load = engine.mover.load
 
@@ -137,15 +144,7 @@ def test_a_sample_sits_out_while_its_loads_run_and_the_others_go_on() -> None:
     left out of those steps' batches while the others are computed, then join with the same
     greedy tokens as an ample pool's."""
     expected, _ = run(num_pages=512, host_pages=0)
-    model = LlamaModel.dummy(CONFIG, "cpu", torch.float32, seed=2)
-    config = EngineConfig(
-        num_pages=48,
-        page_size=4,
-        backend="torch",
-        host_pages=512,
-        scheduler=SchedulerConfig(max_batched_tokens=256, max_num_seqs=4),
-    )
-    engine = LLMEngine(model, config)
+    engine = new_engine(num_pages=48, host_pages=512)
     load = engine.mover.load
     waited = []
 
@@ -190,16 +189,7 @@ def test_a_forward_waits_only_for_saves_reading_pages_it_writes(write_through: b
     the turn that loads it back would decode other tokens. The engine waits for such saves and
     no others: with write-through, whose saved pages stay cached, few steps wait."""
     expected, _ = run(num_pages=512, host_pages=0)
-    model = LlamaModel.dummy(CONFIG, "cpu", torch.float32, seed=2)
-    config = EngineConfig(
-        num_pages=48,
-        page_size=4,
-        backend="torch",
-        host_pages=512,
-        host_write_through=write_through,
-        scheduler=SchedulerConfig(max_batched_tokens=256, max_num_seqs=4),
-    )
-    engine = LLMEngine(model, config)
+    engine = new_engine(num_pages=48, host_pages=512, write_through=write_through)
     save, load = engine.mover.save, engine.mover.load
     pending: list = []
     waits = []

@@ -76,11 +76,7 @@ class BatchCalls:
             seq = next(seq for seq in seqs if seq._num_tokens >= seq._num_allocated)
             raise ValueError(f"cannot commit: sequence {seq._id} has no reserved slot (allocate first)")
         page_size = self._page_size
-        baton = self._baton
-        try:
-            baton.pop()
-        except IndexError:
-            self._concurrent()
+        self._enter()  # once per batch: the per-token calls alone take the baton inline
         try:
             for seq, token in zip(seqs, arr.tolist(), strict=True):
                 n = seq._num_tokens
@@ -90,7 +86,7 @@ class BatchCalls:
                     self._store.defer_page(seq, n, token)
                 seq._num_tokens = n
         finally:
-            baton.append(None)
+            self._baton.append(None)
 
     def write_block_tables(self, seqs: list[Sequence], out: np.ndarray, rows: object = None) -> int:
         """Write the block tables of ``seqs`` into rows of ``out``, an int32 array
