@@ -9,7 +9,7 @@ from prefix_cache.attention.kv_layout import KVCache, split_kv_cache
 from prefix_cache.offload import HostKVPool, KVMover
 
 #: Each layout: the per-layer KV caches as an engine passes them (see ``make_pool``).
-LAYOUTS = ("nhd5", "pair", "vllm", "hnd_pair", "hnd5", "one_nhd5", "one_vllm", "mixed")
+LAYOUTS = ("nhd5", "pair", "vllm", "hnd_pair", "hnd5", "one_nhd5", "one_vllm", "page_major", "mixed")
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 if hasattr(torch, "float8_e4m3fn"):
@@ -56,12 +56,17 @@ def make_pool(
     """Every layer's KV cache: per-layer tensors in one of ``make_layer``'s layouts; ``one_nhd5``:
     one ``[layers, pages, 2, page_size, H, D]`` tensor passed as ``list(pool)``; ``one_vllm``: one
     ``[layers, 2, pages, page_size, H, D]`` tensor passed as ``(pool[l, 0], pool[l, 1])`` pairs;
-    ``mixed``: layers alternately ``nhd5`` and ``hnd_pair``."""
+    ``page_major``: a K and a V ``[pages, layers, page_size, H, D]`` passed as ``(k[:, l], v[:, l])``
+    (a page's K of all layers contiguous, unlike in a host page); ``mixed``: layers alternately
+    ``nhd5`` and ``hnd_pair``."""
     if layout == "one_nhd5":
         return list(random_bits((layers, pages, 2, page_size, heads, dim), dtype, gen, device))
     if layout == "one_vllm":
         pool = random_bits((layers, 2, pages, page_size, heads, dim), dtype, gen, device)
         return [(pool[layer, 0], pool[layer, 1]) for layer in range(layers)]
+    if layout == "page_major":
+        k, v = (random_bits((pages, layers, page_size, heads, dim), dtype, gen, device) for _ in range(2))
+        return [(k[:, layer], v[:, layer]) for layer in range(layers)]
     if layout == "mixed":
         kinds = ["nhd5", "hnd_pair"]
         return [

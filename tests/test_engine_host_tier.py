@@ -94,6 +94,7 @@ def test_evicted_conversations_come_back_from_the_host_with_the_same_tokens(devi
     assert ample.cache.stats.evicted_pages == 0
     got, engine = run(num_pages=48, host_pages=512, device=device)
     assert engine.mover.ops_per_chunk == 1  # the pool's layers are views of one tensor
+    assert engine.mover.direct  # so its pages move by 2-D copies, no gather
     stats = engine.cache.stats
     assert stats.evicted_pages > 0 and stats.host_hit_tokens > 0 and stats.loaded_pages > 0
     for a, b in zip(got, expected, strict=True):

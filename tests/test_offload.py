@@ -278,11 +278,34 @@ def test_head_dims_of_any_size_round_trip(dtype: torch.dtype, dim: int) -> None:
     assert [page_bytes(kv_caches, p) for p in range(PAGES)] == [before[0], before[5], before[6], *before[3:]]
 
 
-@pytest.mark.parametrize(("layout", "ops"), [("one_nhd5", 1), ("one_vllm", 2), ("nhd5", 3), ("mixed", 4)])
-def test_layers_of_one_tensor_move_in_one_op(layout: str, ops: int) -> None:
-    # mixed: layers 0 and 2 are 5-D (two ops), layer 1 a K and V pair (two more).
+@pytest.mark.parametrize(
+    ("layout", "ops", "direct"),
+    [
+        ("one_nhd5", 1, True),
+        ("one_vllm", 2, True),
+        ("page_major", 2, True),
+        ("nhd5", 3, False),
+        ("mixed", 4, False),
+    ],
+)
+def test_layers_of_one_tensor_move_in_one_op(layout: str, ops: int, direct: bool) -> None:
+    # mixed: layers 0 and 2 are 5-D (two ops), layer 1 a K and V pair (two more). Direct: one or two
+    # 2-D copies per page, no gather and no staging buffer.
     _, _, mover = build(layout, torch.bfloat16)
     assert mover.ops_per_chunk == ops
+    assert mover.direct == direct and mover.staging_pages == (0 if direct else HOST)
+
+
+def test_a_transposed_tensor_of_all_layers_is_gathered() -> None:
+    # one [layers, pages, H, page_size, D] K and V (HND): a page's rows are not a host page's rows
+    gen = torch.Generator().manual_seed(9)
+    k, v = (random_bits((LAYERS, PAGES, HEADS, PAGE, DIM), torch.float16, gen, "cpu") for _ in range(2))
+    kv_caches = [(k[layer].transpose(1, 2), v[layer].transpose(1, 2)) for layer in range(LAYERS)]
+    mover = KVMover(kv_caches, HostKVPool(HOST, LAYERS, PAGE, HEADS, DIM, torch.float16))
+    assert mover.ops_per_chunk == 2 and not mover.direct
+    before = [page_bytes(kv_caches, p) for p in range(PAGES)]
+    assert mover.save([3], [0]).ok and mover.load([0], [8]).ok
+    assert page_bytes(kv_caches, 8) == before[3]
 
 
 def _irregular(case: str, gen: torch.Generator) -> list:

@@ -5,6 +5,8 @@ missing wait shows as wrong bytes instead of passing by luck."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from offload_layouts import (
@@ -38,6 +40,31 @@ def test_round_trip_on_the_gpu(layout: str, dtype: torch.dtype) -> None:
     check_round_trip(layout, dtype, "cuda")
 
 
+@pytest.mark.parametrize(
+    ("layout", "direct"),
+    [("one_nhd5", True), ("one_vllm", True), ("page_major", True), ("nhd5", False), ("hnd_pair", False)],
+)
+def test_layouts_of_one_tensor_move_on_the_copy_engine(layout: str, direct: bool) -> None:
+    _, _, mover = build(layout, torch.bfloat16, device="cuda")
+    assert mover.direct == direct and mover.staging_pages == (0 if direct else HOST)
+
+
+def test_a_copy_the_cuda_runtime_refuses_fails_the_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    _, _, mover = build("one_nhd5", torch.bfloat16, device="cuda")
+    real = mover._direct._copy2d
+    calls = []
+
+    def refuse_the_third(*args):
+        calls.append(1)
+        return 1 if len(calls) == 3 else real(*args)  # 1: cudaErrorInvalidValue
+
+    monkeypatch.setattr(mover._direct, "_copy2d", refuse_the_third)
+    handle = mover.save([0, 1, 2, 3], [0, 1, 2, 3])
+    handle.wait()
+    assert handle.done() and not handle.ok
+    assert re.search(r"cudaMemcpy2DAsync failed: .*\(1\)", str(handle.error))
+
+
 def fill(kv_caches, page: int, value: int) -> None:
     """Writes ``value`` into every byte of GPU page ``page`` of every layer, on the current stream."""
     for kv_cache in kv_caches:
@@ -45,8 +72,9 @@ def fill(kv_caches, page: int, value: int) -> None:
             half[page].view(torch.uint8).fill_(value)
 
 
-def test_a_save_waits_for_the_write_queued_before_it() -> None:
-    kv_caches, pool, mover = build("nhd5", torch.bfloat16, device="cuda")
+@pytest.mark.parametrize("layout", ["nhd5", "one_nhd5"])
+def test_a_save_waits_for_the_write_queued_before_it(layout: str) -> None:
+    kv_caches, pool, mover = build(layout, torch.bfloat16, device="cuda")
     mover.save([5], [0]).wait()  # first use allocates: not part of what is timed against the sleep
     compute = torch.cuda.Stream()
     with torch.cuda.stream(compute):
@@ -58,8 +86,9 @@ def test_a_save_waits_for_the_write_queued_before_it() -> None:
     assert handle.ok and set(host_page_bytes(pool.pages, 0)) == {0x3C}
 
 
-def test_a_saved_page_is_overwritten_only_after_wait_on() -> None:
-    kv_caches, pool, mover = build("pair", torch.float16, device="cuda")
+@pytest.mark.parametrize("layout", ["pair", "one_vllm"])
+def test_a_saved_page_is_overwritten_only_after_wait_on(layout: str) -> None:
+    kv_caches, pool, mover = build(layout, torch.float16, device="cuda")
     before = page_bytes(kv_caches, 3)
     with torch.cuda.stream(mover.copy_stream):
         torch.cuda._sleep(BUSY)  # the copy runs late
@@ -70,8 +99,9 @@ def test_a_saved_page_is_overwritten_only_after_wait_on() -> None:
     assert handle.ok and host_page_bytes(pool.pages, 7) == before
 
 
-def test_the_forward_after_wait_on_reads_the_loaded_bytes() -> None:
-    kv_caches, pool, mover = build("hnd_pair", torch.bfloat16, device="cuda")
+@pytest.mark.parametrize("layout", ["hnd_pair", "one_nhd5"])
+def test_the_forward_after_wait_on_reads_the_loaded_bytes(layout: str) -> None:
+    kv_caches, pool, mover = build(layout, torch.bfloat16, device="cuda")
     pool.pages[2].view(torch.uint8).fill_(0x5A)
     with torch.cuda.stream(mover.copy_stream):
         torch.cuda._sleep(BUSY)
@@ -83,8 +113,9 @@ def test_the_forward_after_wait_on_reads_the_loaded_bytes() -> None:
     assert all(set(t.view(torch.uint8).flatten().tolist()) == {0x5A} for t in read)
 
 
-def test_a_load_waits_for_kernels_still_reading_the_old_bytes() -> None:
-    kv_caches, pool, mover = build("vllm", torch.float32, device="cuda")
+@pytest.mark.parametrize("layout", ["vllm", "page_major"])
+def test_a_load_waits_for_kernels_still_reading_the_old_bytes(layout: str) -> None:
+    kv_caches, pool, mover = build(layout, torch.float32, device="cuda")
     old = page_bytes(kv_caches, 4)
     torch.cuda._sleep(BUSY)
     read = [half[4].clone() for kv_cache in kv_caches for half in split_kv_cache(kv_cache)]  # old owner
@@ -95,8 +126,9 @@ def test_a_load_waits_for_kernels_still_reading_the_old_bytes() -> None:
     assert page_bytes(kv_caches, 4) == host_page_bytes(pool.pages, 1)
 
 
-def test_copies_overlap_a_busy_stream_they_do_not_depend_on() -> None:
-    _, _, mover = build("nhd5", torch.bfloat16, device="cuda")
+@pytest.mark.parametrize("layout", ["nhd5", "one_nhd5"])
+def test_copies_overlap_a_busy_stream_they_do_not_depend_on(layout: str) -> None:
+    _, _, mover = build(layout, torch.bfloat16, device="cuda")
     busy = torch.cuda.current_stream()
     torch.cuda._sleep(BUSY)
     handle = mover.save([1, 2], [1, 2], stream=torch.cuda.Stream())

@@ -1,16 +1,22 @@
 """Batched page copies between the engine's per-layer KV pools and the pinned host pool (torch only).
 
-A save gathers the batch's GPU pages of every layer into a page-first staging buffer on the GPU
-(one ``index_select`` per layer and K/V tensor, K and V together for a 5-D layer; one for all
-layers when they are equal views of one tensor), then copies the staging buffer to the host pool
-with one asynchronous copy per run of consecutive host pages. A load is the mirror: one copy per
-host run into staging, then ``index_copy_`` into the layers. Batches larger than the staging
-buffer go through it in chunks. On CUDA all of it runs on the mover's own stream, ordered against
-the caller's stream by events; on CPU tensors it runs before the call returns.
+Two ways, picked once per pool layout:
 
-Every copy moves bytes through the widest integer view the tensors allow (8 bytes for a head_dim
-of 128 in bf16), so what comes back is bitwise what was saved (float8 and NaN payloads included)
-and the gather kernels move few, wide elements.
+- **Direct** (``page_copies``): where a page of every layer lies at a regular step in one or two
+  tensors in the host page's element order (an engine that allocates its pool as one
+  ``[num_layers, ...]`` tensor and passes ``list(pool)``), each page moves as one or two 2-D copies
+  on the copy engine. No kernel runs on the SMs and nothing is staged.
+- **Gathered**, for every other layout: a save gathers the batch's pages of every layer into a
+  page-first staging buffer on the GPU (one ``index_select`` per layer and K/V tensor, K and V
+  together for a 5-D layer; one for all layers when they are equal views of one tensor), then
+  copies the staging buffer to the host pool with one asynchronous copy per run of consecutive host
+  pages. A load is the mirror: one copy per host run into staging, then ``index_copy_`` into the
+  layers. Batches larger than the staging buffer go through it in chunks.
+
+On CUDA all of it runs on the mover's own stream, ordered against the caller's stream by events; on
+CPU tensors it runs before the call returns. Every copy moves bytes (the gathers through the widest
+integer view the tensors allow, 8 bytes for a head_dim of 128 in bf16), so what comes back is
+bitwise what was saved, float8 and NaN payloads included.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import torch
 from prefix_cache.attention.kv_layout import KVCache, split_kv_cache
 from prefix_cache.offload.handle import CopyHandle
 from prefix_cache.offload.host_pool import HostKVPool
+from prefix_cache.offload.page_copies import DirectCopies
 
 #: Default size of the staging buffer on the KV pool's device, in bytes (at least one page).
 STAGING_BYTES = 256 * 2**20
@@ -105,11 +112,14 @@ class KVMover:
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._parts = _merge_layers([(view, slot) for view, (_, slot) in zip(views, parts, strict=False)])
         self._host = views[-1]
-        with torch.cuda.stream(self._stream) if self._stream else contextlib.nullcontext():
-            # Allocated on the copy stream: freed memory is reused only after its copies.
-            self._staging = torch.empty(
-                (staging_pages, *self._host.shape[1:]), dtype=self._host.dtype, device=device
-            )
+        self._direct = DirectCopies.plan(self._parts, self._host)
+        self._staging = None
+        if self._direct is None:
+            with torch.cuda.stream(self._stream) if self._stream else contextlib.nullcontext():
+                # Allocated on the copy stream: freed memory is reused only after its copies.
+                self._staging = torch.empty(
+                    (staging_pages, *self._host.shape[1:]), dtype=self._host.dtype, device=device
+                )
         if self._stream is not None:
             for tensor, _ in self._parts:
                 tensor.record_stream(self._stream)
@@ -127,9 +137,15 @@ class KVMover:
         return len(self._parts)
 
     @property
+    def direct(self) -> bool:
+        """True when pages move by 2-D copies straight between the pools, on the copy engine (no
+        gather kernel, no staging buffer); False when they are gathered through staging."""
+        return self._direct is not None
+
+    @property
     def staging_pages(self) -> int:
-        """Pages the staging buffer holds (the chunk size of a batch)."""
-        return self._staging.shape[0]
+        """Pages the staging buffer holds (the chunk size of a gathered batch); 0 when ``direct``."""
+        return 0 if self._staging is None else self._staging.shape[0]
 
     def save(
         self, gpu_pages: PageIds, host_pages: PageIds, stream: torch.cuda.Stream | None = None
@@ -196,7 +212,11 @@ class KVMover:
         return CopyHandle(gpu.size, done, self.device, error)
 
     def _copy(self, gpu: np.ndarray, host: np.ndarray, saving: bool) -> None:
-        """The batch's copies, chunk by chunk through the staging buffer, on the current stream."""
+        """The batch's copies, on the current stream: direct, or chunk by chunk through staging."""
+        if self._direct is not None:
+            stream = self._stream.cuda_stream if self._stream is not None else 0
+            self._direct.run(gpu, host, saving, stream)
+            return
         ids = torch.from_numpy(gpu)
         if self._stream is not None:
             ids = ids.pin_memory().to(self.device, non_blocking=True)
