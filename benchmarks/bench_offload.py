@@ -14,20 +14,21 @@ queuing the batch). The arms:
 - ``save, scattered`` / ``load, scattered``: the same with the host pages in random order (one copy
   per page: the worst case).
 
-``--overlap N`` also times a decode-step stand-in (``--layers`` matmuls of a 64-token batch by
-[4096, 12288] bf16 weights, 3 GiB read per step, memory-bound as a decode step is) alone, beside
-the mover's saves of N pages on its side stream (a new one whenever the host finds the last one
-done), and beside one pinned ``copy_`` of the same bytes issued the same way: what the model's step
-loses to background saves at the average rate they moved, and how much of that the copy engine
-alone costs.
+``--overlap N`` also times, per layout, a decode-step stand-in (``--layers`` matmuls of a 64-token
+batch by [4096, 12288] bf16 weights, 3 GiB read per step, memory-bound as a decode step is) alone,
+beside the mover's saves of N pages on its side stream (a new one whenever the host finds the last
+one done), and beside one pinned ``copy_`` of the same bytes issued the same way: what the model's
+step loses to background saves at the average rate they moved, and how much of that the copy
+engine alone costs.
 
 Every mover arm is checked once per size: a scattered save then a load into other pages reproduces
 the saved pages bitwise ("bitwise" column). The default shapes are Llama-3-8B's (32 layers, 8 KV
 heads of 128, page 16, bf16: 2 MiB a page). ``--layouts`` picks the KV pools, each measured in turn:
-``nhd5``: a ``[num_pages, 2, page_size, H, D]`` tensor per layer (the example engine's; one gather
-per layer); ``one``: one ``[num_layers, num_pages, 2, page_size, H, D]`` tensor passed as
-``list(pool)`` (one gather for all layers); ``hnd``: per layer a K and a V ``[num_pages, H,
-page_size, D]`` passed transposed (two strided gathers per layer).
+``nhd5``: a ``[num_pages, 2, page_size, H, D]`` tensor per layer (one gather per layer); ``one``: one
+``[num_layers, num_pages, 2, page_size, H, D]`` tensor passed as ``list(pool)`` (the example
+engine's: one 2-D copy per page on the copy engine, no gather); ``hnd``: per layer a K and a V
+``[num_pages, H, page_size, D]`` passed transposed (two strided gathers per layer). The "how pages
+move" column says which way the mover took.
 
     python benchmarks/bench_offload.py --out benchmarks/results          # CUDA
     python benchmarks/bench_offload.py --smoke                           # CPU, tiny sizes

@@ -349,3 +349,4 @@ def test_the_benchmark_runs_on_the_cpu(tmp_path) -> None:
     ]
     assert all(r["bitwise"] for r in rows)
     assert [r["ops"] for r in rows[::3]] == [2, 1, 4]
+    assert [r["direct"] for r in rows[::3]] == [True, True, False]  # 2 layers: nhd5 is two tensors
