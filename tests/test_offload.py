@@ -296,6 +296,15 @@ def test_layers_of_one_tensor_move_in_one_op(layout: str, ops: int, direct: bool
     assert mover.direct == direct and mover.staging_pages == (0 if direct else HOST)
 
 
+def test_rows_that_overlap_are_gathered() -> None:
+    # an expanded head axis: a page's two rows (heads) are the same bytes, a pitch of 0
+    k, v = (torch.randn(PAGES, 1, 1, DIM).half().expand(PAGES, 2, 1, DIM) for _ in range(2))
+    mover = KVMover([(k, v)], HostKVPool(HOST, 1, 2, 1, DIM, torch.float16))
+    assert not mover.direct
+    assert mover.save([3], [0]).ok
+    assert host_page_bytes(mover.host_pool.pages, 0) == page_bytes([(k, v)], 3)
+
+
 def test_a_transposed_tensor_of_all_layers_is_gathered() -> None:
     # one [layers, pages, H, page_size, D] K and V (HND): a page's rows are not a host page's rows
     gen = torch.Generator().manual_seed(9)

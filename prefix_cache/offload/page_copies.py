@@ -26,6 +26,7 @@ import torch
 MAX_PARTS = 2
 
 _CUDA_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction follows from the (unified) addresses
+_CUDA_DEV_ATTR_MAX_PITCH = 11  # cudaDevAttrMaxPitch
 
 
 @dataclass(frozen=True)
@@ -83,12 +84,19 @@ class DirectCopies:
         """The copies for ``parts`` (the mover's ``(tensor [num_pages, ...], slot in a host page)``)
         and ``host`` (``[host_pages, ...]``, one dtype with the parts), or None where the layout needs
         a gather: more than ``MAX_PARTS`` tensors, a page that is not runs of the same bytes on both
-        sides, or (CUDA) no CUDA runtime library to call."""
+        sides (rows that overlap included), or on CUDA no CUDA runtime library to call or a pitch
+        past the device's limit (2 GiB on NVIDIA GPUs: a layer step of a pool larger than that)."""
         if len(parts) > MAX_PARTS:
             return None
-        cuda = host.is_pinned() and parts[0][0].is_cuda
-        if cuda and _cuda_memcpy2d_async() is None:
-            return None
+        device = parts[0][0].device
+        cuda = device.type == "cuda"
+        max_pitch = None
+        if cuda:
+            if _cuda_memcpy2d_async() is None:
+                return None
+            max_pitch = _max_pitch(device.index if device.index is not None else torch.cuda.current_device())
+            if max_pitch is None:
+                return None
         planned = []
         for tensor, slot in parts:
             region = host[0][slot]
@@ -96,6 +104,10 @@ class DirectCopies:
             if runs is None:
                 return None
             rows, width, src_pitch, dst_pitch = runs
+            if rows > 1 and min(src_pitch, dst_pitch) < width:
+                return None
+            if cuda and max(src_pitch, dst_pitch) > max_pitch:
+                return None
             part = _Part(
                 src=tensor.data_ptr(),
                 src_page=tensor.stride(0) * tensor.element_size(),
@@ -140,7 +152,9 @@ class DirectCopies:
 
 @functools.cache
 def _cudart() -> ctypes.CDLL | None:
-    """The CUDA runtime library torch loaded (by its soname), or None."""
+    """The CUDA runtime library torch loaded (by its soname), or None (also on ROCm)."""
+    if torch.version.hip:
+        return None
     major = (torch.version.cuda or "").split(".")[0]
     for name in (f"libcudart.so.{major}", "libcudart.so"):
         try:
@@ -164,8 +178,21 @@ def _cuda_memcpy2d_async():
     return function
 
 
+@functools.cache
+def _max_pitch(device: int) -> int | None:
+    """The largest pitch a 2-D copy on CUDA ``device`` takes, in bytes (``cudaDevAttrMaxPitch``)."""
+    value = ctypes.c_int()
+    status = _cudart().cudaDeviceGetAttribute(ctypes.byref(value), _CUDA_DEV_ATTR_MAX_PITCH, device)
+    if status:
+        _cuda_error(status)
+        return None
+    return value.value
+
+
 def _cuda_error(status: int) -> str:
-    """The CUDA runtime's name for error ``status``."""
+    """The CUDA runtime's name for error ``status``; clears the thread's last error, which a
+    refused call sets (torch's next kernel launch check would report it as its own)."""
     library = _cudart()
+    library.cudaGetLastError()
     library.cudaGetErrorString.restype = ctypes.c_char_p
     return f"{library.cudaGetErrorString(status).decode()} ({status})"
