@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from offload_layouts import (
@@ -41,6 +41,50 @@ from prefix_cache.offload import HostKVPool, KVMover, PinningError
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_round_trip_is_bitwise_and_touches_only_its_pages(layout: str, dtype: torch.dtype) -> None:
     check_round_trip(layout, dtype, "cpu")
+
+
+@st.composite
+def strided_pools(draw) -> tuple[list, tuple[int, int, int, int, int]]:
+    """Every layer's 5-D KV cache or K/V pair as views of one tensor ``[layers * halves, pages,
+    (2,) page, heads, dim]`` laid out in any dim order (head_dim innermost) with gaps between rows:
+    layers at a regular step, or in a shuffled order (not mergeable). No two elements share bytes.
+    Returns (kv_caches, (layers, pages, page, heads, dim))."""
+    layers, pages, page, heads = (draw(st.integers(1, 3)) for _ in range(4))
+    dim = draw(st.sampled_from([1, 3, 4, 8]))
+    halves = draw(st.sampled_from([1, 2]))  # 1: 5-D layers; 2: K and V tensors
+    shape = [layers * halves, pages, *([2] if halves == 1 else []), page, heads, dim]
+    order = draw(st.permutations(range(len(shape) - 1)))
+    strides = [0] * len(shape)
+    strides[-1] = 1
+    extent = dim + draw(st.sampled_from([0, 0, 1]))
+    for axis in reversed(order):
+        strides[axis] = extent
+        extent = extent * shape[axis] + draw(st.sampled_from([0, 0, 2]))
+    bits = torch.randint(0, 2**15, (extent,), dtype=torch.int16)
+    whole = bits.view(torch.float16).as_strided(shape, strides)
+    views = list(whole)
+    if draw(st.booleans()):
+        views = draw(st.permutations(views))
+    kv_caches = views if halves == 1 else [tuple(views[2 * i : 2 * i + 2]) for i in range(layers)]
+    return kv_caches, (layers, pages, page, heads, dim)
+
+
+@settings(max_examples=150, deadline=None)
+@given(pool=strided_pools(), data=st.data())
+def test_any_strided_pool_round_trips(pool, data) -> None:
+    # Direct or gathered, a saved host page holds the GPU page's bytes in the documented order, and
+    # a load writes exactly those bytes back into the page it names.
+    kv_caches, (layers, pages, page, heads, dim) = pool
+    mover = KVMover(kv_caches, HostKVPool(2, layers, page, heads, dim, torch.float16))
+    before = [page_bytes(kv_caches, p) for p in range(pages)]
+    src = data.draw(st.integers(0, pages - 1))
+    dst = data.draw(st.integers(0, pages - 1))
+    assert mover.save([src], [1]).ok
+    assert host_page_bytes(mover.host_pool.pages, 1) == before[src]
+    assert mover.load([1], [dst]).ok
+    assert [page_bytes(kv_caches, p) for p in range(pages)] == [
+        before[src] if p == dst else before[p] for p in range(pages)
+    ]
 
 
 def test_host_pages_are_page_first() -> None:
