@@ -48,7 +48,7 @@ class KVMover:
     of the same shape, dtype and device. They must outlive the mover. host_pool: the host tier, of the
     same layers, page shape and dtype (pinned when the pool is on CUDA). staging_pages: pages the
     staging buffer on the pool's device holds (default: ``STAGING_BYTES`` worth); larger batches go
-    through it in chunks.
+    through it in chunks. Layouts that move ``direct`` have no staging buffer.
 
     Ordering (CUDA): ``save`` and ``load`` return at once with a ``CopyHandle``. Their copies start
     after all work queued so far on the caller's ``stream`` (default: the current stream), so a save
