@@ -48,7 +48,7 @@ def test_layouts_of_one_tensor_move_on_the_copy_engine(layout: str, direct: bool
 
 
 def test_a_layer_step_past_the_pitch_limit_is_gathered() -> None:
-    # 2.4 GB a layer: a 2-D copy's pitch would pass cudaDevAttrMaxPitch (2 GiB)
+    # 2.4 GB a layer: a 2-D copy's pitch would pass cudaDevAttrMaxPitch (2**31 - 1 on NVIDIA GPUs)
     pool = torch.zeros(2, 36000, 2, 16, 8, 128, dtype=torch.bfloat16, device="cuda")
     pool[1, 35999].fill_(3.0)
     mover = KVMover(list(pool), HostKVPool(4, 2, 16, 8, 128, torch.bfloat16))

@@ -114,9 +114,11 @@ class KVMover:
         self._host = views[-1]
         self._direct = DirectCopies.plan(self._parts, self._host)
         self._staging = None
+        self._tag = None
         with torch.cuda.stream(self._stream) if self._stream else contextlib.nullcontext():
             # Allocated on the copy stream: freed memory is reused only after its copies.
-            self._tag = torch.empty(1, dtype=self._host.dtype, device=device)
+            if self._direct is not None and self._stream is not None:
+                self._tag = torch.empty(1, dtype=self._host.dtype, device=device)
             if self._direct is None:
                 self._staging = torch.empty(
                     (staging_pages, *self._host.shape[1:]), dtype=self._host.dtype, device=device
@@ -215,14 +217,12 @@ class KVMover:
     def _copy(self, gpu: np.ndarray, host: np.ndarray, saving: bool) -> None:
         """The batch's copies, on the current stream: direct, or chunk by chunk through staging."""
         if self._direct is not None:
-            if self._stream is None:
-                self._direct.run(gpu, host, saving)
-                return
-            self._direct.run(gpu, host, saving, self._stream.cuda_stream)
-            # A pinned copy_ of one element after the batch, on its stream: torch's pinned memory
-            # allocator then holds the host pool's block until the batch is over, even if the pool
-            # is dropped before (the 2-D copies bypass torch and record nothing).
-            self._tag.copy_(self._host.view(-1)[:1], non_blocking=True)
+            self._direct.run(gpu, host, saving, self._stream.cuda_stream if self._stream else 0)
+            if self._tag is not None:
+                # A pinned copy_ of one element after the batch, on its stream: torch's pinned
+                # memory allocator then holds the host pool's block until the batch is over, even if
+                # the pool is dropped before (the 2-D copies bypass torch and record nothing).
+                self._tag.copy_(self._host.view(-1)[:1], non_blocking=True)
             return
         ids = torch.from_numpy(gpu)
         if self._stream is not None:

@@ -85,7 +85,7 @@ class DirectCopies:
         and ``host`` (``[host_pages, ...]``, one dtype with the parts), or None where the layout needs
         a gather: more than ``MAX_PARTS`` tensors, a page that is not runs of the same bytes on both
         sides (rows that overlap included), or on CUDA no CUDA runtime library to call or a pitch
-        past the device's limit (2 GiB on NVIDIA GPUs: a layer step of a pool larger than that)."""
+        past the device's ``cudaDevAttrMaxPitch`` (a layer step larger than that)."""
         if len(parts) > MAX_PARTS:
             return None
         device = parts[0][0].device
@@ -134,12 +134,12 @@ class DirectCopies:
         """Copies KV page ``gpu[i]`` to host page ``host[i]`` (``saving``) or back, for all i: one
         2-D copy per page and part, queued on the CUDA ``stream`` (a handle) or run now (CPU).
         Raises RuntimeError when the CUDA runtime refuses a copy (those before it are queued)."""
+        copy2d = self._copy2d
         for part in self._parts:
             pool = ((part.src + gpu * part.src_page).tolist(), part.src_pitch)
             pinned = ((part.dst + host * part.dst_page).tolist(), part.dst_pitch)
             (src, src_pitch), (dst, dst_pitch) = (pool, pinned) if saving else (pinned, pool)
             width, rows = part.width, part.rows
-            copy2d = self._copy2d
             for s, d in zip(src, dst, strict=True):
                 if copy2d is None:
                     for row in range(rows):
@@ -184,7 +184,7 @@ def _max_pitch(device: int) -> int | None:
     value = ctypes.c_int()
     status = _cudart().cudaDeviceGetAttribute(ctypes.byref(value), _CUDA_DEV_ATTR_MAX_PITCH, device)
     if status:
-        _cuda_error(status)
+        _cuda_error(status)  # clears the refusal
         return None
     return value.value
 
