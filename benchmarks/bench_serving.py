@@ -399,8 +399,9 @@ def markdown(results: list[dict], meta: dict) -> str:
         "",
         "| config | backend | KV dtype | graphs | ok | s | req/s | in tok/s | out tok/s "
         "| TTFT mean / med / p99 ms | TPOT mean / med / p99 ms | ITL mean / med / p99 ms "
-        "| E2E mean / med / p99 ms | hit rate | shared lv/step | preempt | peak pages | pool GiB |",
-        "|" + "---|" * 18,
+        "| E2E mean / med / p99 ms | hit rate | shared lv/step | preempt | peak pages | stored / evicted pages "
+        "| pool GiB |",
+        "|" + "---|" * 19,
     ]
 
     def graphs(r: dict) -> str:
@@ -419,6 +420,7 @@ def markdown(results: list[dict], meta: dict) -> str:
             f"| {trio('ttft_ms')} | {trio('tpot_ms')} | {trio('itl_ms')} | {trio('e2e_ms')} "
             f"| {r['prefix_cache_hit_rate']:.1%} | {r['shared_levels_per_step']:.2f} | {r['preemptions']} "
             f"| {r['peak_pages_in_use']} / {r['num_pages']} "
+            f"| {r.get('stored_pages', '-')} / {r.get('evicted_pages', '-')} "
             f"| {r['pool_bytes'] / 2**30 if 'pool_bytes' in r else float('nan'):.2f} |"
         )
     if any(r["time_limited"] for r in results):
@@ -428,7 +430,9 @@ def markdown(results: list[dict], meta: dict) -> str:
     lines.append(
         "\nok: successful requests; s: duration; hit rate: prompt tokens found in the prefix cache; "
         "shared lv/step: cascade levels over shared prefixes per engine step; peak pages: most pages holding "
-        "KV of running requests, of the pool; graphs: engine steps replayed from a CUDA graph (decode-only "
+        "KV of running requests, of the pool; stored / evicted pages: full pages that became cached and cached "
+        "pages dropped from the GPU pool during the run (where none were dropped, the stored pages are the "
+        "run's working set); graphs: engine steps replayed from a CUDA graph (decode-only "
         "steps on CUDA), of all steps, or off (every step eager)."
     )
     scraped = [r for r in results if "server_metrics" in r]
@@ -556,6 +560,7 @@ def run_config(
     engine = tensor_parallel_engine(model, config, chat.stop_token_ids, args.tensor_parallel_size, load)
     try:
         warm_up(engine, chat, system, warm, args)
+        before = engine.cache.stats
         scraped = None
         if args.http:
             done, duration, steps, stopped, scraped = replay_http(engine, chat, system, conversations, args)
@@ -580,6 +585,11 @@ def run_config(
         "time_limited": stopped and len(done) < requests,
     }
     row.update(summarize(done, duration, engine, steps))
+    after = engine.cache.stats
+    # In a pool that evicted nothing, the pages stored are the run's working set: every full page of
+    # KV it computed, once (a block computed twice concurrently is a duplicate, not stored twice).
+    row["stored_pages"] = after.stored_pages - before.stored_pages
+    row["evicted_pages"] = after.evicted_pages - before.evicted_pages
     if scraped is not None:
         row["server_metrics"] = scraped
     print(
