@@ -15,10 +15,10 @@ writes into the same buffers. Long KV segments with few programs are split acros
 K and V are addressed through strides, so any layout whose last axis (head_dim) is contiguous works:
 FlashInfer's ``[pages, 2, page_size, H, D]``, vLLM's ``[2, pages, page_size, H, D]``, separate K and V
 tensors, or HND views (see ``prefix_cache.attention.kv_layout``). They may be fp8 (e4m3, with a K
-and a V scale per layer): each tile is converted to fp16 in registers after its load (exact), the K
-scale folded into the softmax scale and the V scale into the output's normalisation, so an fp8 cache
-reads half the bytes and changes nothing else. The dots run on the exact fp8 values in q's dtype, or
-in fp16 beside a bf16 q, which is converted once per tile (``_q_to_f16``, exact).
+and a V scale per layer): each tile is converted to q's dtype in registers after its load (exact),
+the K scale folded into the softmax scale and the V scale into the output's normalisation, so an fp8
+cache reads half the bytes and changes nothing else (the dots run in q's dtype, on the exact fp8
+values).
 
 Host side for one level: ``plan_level`` builds its work list once per batch, ``launch_level`` runs
 it per layer, ``level_attention`` does both and the merge, for one-off calls. The triton backend
@@ -71,21 +71,6 @@ def _e4m3_to_f16(x):
 
 
 @triton.jit
-def _q_to_f16(q, qk_scale):
-    """A bf16 q tile as fp16 times a power of two, and qk_scale divided by it: the dots over fp8
-    K/V then run in fp16, which the fp8 tiles reach in one conversion (``_e4m3_to_f16``) where bf16
-    takes two more per value (through fp32), the conversions that held fp8 decode below the
-    memory's rate. The power of two brings the tile's largest |q| into [2**13, 2**14), well inside
-    fp16's range (65504), so every bf16 value of q is kept exactly (fp16 has more mantissa bits)
-    down to 2**-27 of that largest one, and the product with qk_scale / 2**e is unchanged."""
-    amax = tl.max(tl.max(tl.abs(q.to(tl.float32)), 1), 0)
-    # 2**e with e an integer in [-100, 100]: exact in fp32 either way; an all-zero tile takes 2**100.
-    e = tl.minimum(tl.maximum(13.0 - tl.floor(tl.log2(amax)), -100.0), 100.0)
-    factor = tl.exp2(e)
-    return (q.to(tl.float32) * factor).to(tl.float16), qk_scale / factor
-
-
-@triton.jit
 def _kv_tile(
     acc, m_i, l_i, q, start, kv_hi, tok, diag, kv_indices_ptr, page0, k_head, v_head,
     stride_k_page, stride_k_slot, stride_v_page, stride_v_slot, qk_scale,
@@ -124,9 +109,8 @@ def _kv_tile(
     else:
         k = tl.load(k_ptrs)
         v = tl.load(v_ptrs)
-    # fp8 K/V are dequantized in registers to q's dtype (fp16 beside a bf16 model's q, which
-    # ``_q_to_f16`` converted; fp32 when upcast); their scales are folded into qk_scale and the
-    # output's scale. A no-op for K/V of q's dtype.
+    # fp8 K/V are dequantized in registers to q's dtype (fp32 when upcast); their scales are folded
+    # into qk_scale and the output's scale. A no-op for K/V of q's dtype.
     if not UPCAST and k.dtype == tl.float8e4nv:
         k = _e4m3_to_f16(k)
         v = _e4m3_to_f16(v)
@@ -226,9 +210,6 @@ def _attention_kernel(
             mask=row_ok[:, None] & d_ok[None, :],
             other=0.0,
         )
-        tile_qk_scale = qk_scale
-        if k_ptr.dtype.element_ty == tl.float8e4nv and q.dtype == tl.bfloat16:
-            q, tile_qk_scale = _q_to_f16(q, qk_scale)
         if UPCAST:
             q = q.to(tl.float32)
         # The tile's last token (q1 - 1) sees the most KV; nothing past its diagonal is loaded.
@@ -251,13 +232,13 @@ def _attention_kernel(
         for start in range(kv0, full_hi, BLOCK_N):
             acc, m_i, l_i = _kv_tile(
                 acc, m_i, l_i, q, start, kv_hi, tok, diag, kv_indices_ptr, page0, k_head, v_head,
-                stride_k_page, stride_k_slot, stride_v_page, stride_v_slot, tile_qk_scale,
+                stride_k_page, stride_k_slot, stride_v_page, stride_v_slot, qk_scale,
                 PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, UPCAST, DOT_PRECISION, False, WIDE_OFFSETS,
             )  # fmt: skip
         for start in range(full_hi, kv_hi, BLOCK_N):
             acc, m_i, l_i = _kv_tile(
                 acc, m_i, l_i, q, start, kv_hi, tok, diag, kv_indices_ptr, page0, k_head, v_head,
-                stride_k_page, stride_k_slot, stride_v_page, stride_v_slot, tile_qk_scale,
+                stride_k_page, stride_k_slot, stride_v_page, stride_v_slot, qk_scale,
                 PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, UPCAST, DOT_PRECISION, True, WIDE_OFFSETS,
             )  # fmt: skip
 
