@@ -399,8 +399,8 @@ def markdown(results: list[dict], meta: dict) -> str:
         "",
         "| config | backend | KV dtype | graphs | ok | s | req/s | in tok/s | out tok/s "
         "| TTFT mean / med / p99 ms | TPOT mean / med / p99 ms | ITL mean / med / p99 ms "
-        "| E2E mean / med / p99 ms | hit rate | shared lv/step | preempt | peak pages | stored / evicted pages "
-        "| pool GiB |",
+        "| E2E mean / med / p99 ms | hit rate | shared lv/step | preempt | peak pages "
+        "| stored / evicted pages | pool GiB |",
         "|" + "---|" * 19,
     ]
 
@@ -430,9 +430,9 @@ def markdown(results: list[dict], meta: dict) -> str:
     lines.append(
         "\nok: successful requests; s: duration; hit rate: prompt tokens found in the prefix cache; "
         "shared lv/step: cascade levels over shared prefixes per engine step; peak pages: most pages holding "
-        "KV of running requests, of the pool; stored / evicted pages: full pages that became cached and cached "
-        "pages dropped from the GPU pool during the run (where none were dropped, the stored pages are the "
-        "run's working set); graphs: engine steps replayed from a CUDA graph (decode-only "
+        "KV of running requests, of the pool; stored / evicted pages: full pages that became cached and "
+        "cached pages dropped from the GPU pool during the run (where none were dropped, the stored pages "
+        "are the run's working set); graphs: engine steps replayed from a CUDA graph (decode-only "
         "steps on CUDA), of all steps, or off (every step eager)."
     )
     scraped = [r for r in results if "server_metrics" in r]
