@@ -356,14 +356,25 @@ def warm_up(
     args: argparse.Namespace,
 ) -> None:
     """Replay the last ``--warm-up`` conversations (not among those measured when the dataset has more)
-    so that kernels compile for the shapes the run will see, then forget the cache and the counters."""
+    so that kernels compile for the shapes the run will see, then forget the cache and the counters.
+    They run at once, without think time: batches of up to ``--warm-up`` decodes, so that the CUDA
+    graph buckets of the run's batch sizes compile here rather than inside the first configuration's
+    measured run (benchmarks/NOTES.md, "A first serving arm on a cold Triton cache")."""
     if args.warm_up:
         replay(
             engine,
             chat,
             system,
             conversations[-args.warm_up :],
-            argparse.Namespace(**{**vars(args), "time_limit": 0}),
+            argparse.Namespace(
+                **{
+                    **vars(args),
+                    "time_limit": 0,
+                    "think_time": 0.0,
+                    "request_rate": 0.0,
+                    "clients": args.warm_up,
+                }
+            ),
         )
     engine.cache.reset()
     engine.scheduler.num_preemptions = 0
@@ -665,7 +676,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokenizer", help="Llama 3 tokenizer.json for the dummy models")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--http", action="store_true", help="through the OpenAI-compatible server on loopback")
-    ap.add_argument("--warm-up", type=int, default=4, help="conversations replayed (and forgotten) first")
+    ap.add_argument(
+        "--warm-up",
+        type=int,
+        default=4,
+        help="conversations replayed (and forgotten) first, all at once without think time: at least "
+        "--clients (or the largest batch of decodes expected) compiles every batch size the run meets",
+    )
     ap.add_argument(
         "--time-limit", type=float, default=0.0, help="per configuration, seconds: no new turns after"
     )
