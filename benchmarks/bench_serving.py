@@ -53,6 +53,7 @@ from examples.engine.options import (
     ranged_int,
 )
 from examples.engine.tensor_parallel import model_loader, tensor_parallel_engine
+from prefix_cache import CacheStats
 from prefix_cache.replay.sharegpt import iter_records, message_pairs
 
 SYSTEM_TEXT = (
@@ -301,7 +302,9 @@ def replay_http(
     return done, duration, engine.stats.steps - steps_before, state["stopped"], scraped
 
 
-def summarize(done: list[Done], duration: float, engine: LLMEngine, steps: int) -> dict:
+def summarize(done: list[Done], duration: float, engine: LLMEngine, steps: int, before: CacheStats) -> dict:
+    """The measured run's figures; the cache's counters (which keep counting over the warm-up's
+    ``reset``) as their movement since ``before``, a snapshot taken after the warm-up."""
     ttft = np.array([d.token_times[0] - d.arrival for d in done]) * 1e3
     e2e = np.array([d.token_times[-1] - d.arrival for d in done]) * 1e3
     itl = np.concatenate([np.diff(d.token_times) for d in done]) * 1e3
@@ -324,6 +327,7 @@ def summarize(done: list[Done], duration: float, engine: LLMEngine, steps: int) 
     inputs = sum(d.prompt_len for d in done)
     outputs = sum(len(d.token_times) for d in done)
     st, cache = engine.stats, engine.cache.stats
+    queries = cache.query_tokens - before.query_tokens
     return {
         "successful_requests": len(done),
         "duration_s": duration,
@@ -336,7 +340,12 @@ def summarize(done: list[Done], duration: float, engine: LLMEngine, steps: int) 
         "tpot_ms": dist(tpot),
         "itl_ms": dist(itl),
         "e2e_ms": dist(e2e),
-        "prefix_cache_hit_rate": cache.hit_rate,
+        "prefix_cache_hit_rate": (cache.hit_tokens - before.hit_tokens) / queries if queries else 0.0,
+        "host_hit_tokens": cache.host_hit_tokens - before.host_hit_tokens,
+        # In a pool that evicted nothing, the pages stored are the run's working set: every full page
+        # of KV it computed, once (a block computed twice concurrently is a duplicate, stored once).
+        "stored_pages": cache.stored_pages - before.stored_pages,
+        "evicted_pages": cache.evicted_pages - before.evicted_pages,
         "prefill_tokens_computed": st.prefill_tokens,
         "shared_levels_per_step": st.shared_levels / max(st.steps, 1),
         "steps": steps,
@@ -588,19 +597,13 @@ def run_config(
         + (", write-through" if host_pages and host_mode == "through" else ""),
         "host_pages": host_pages,
         "host_write_through": bool(host_pages) and host_mode == "through",
-        "host_hit_tokens": engine.cache.stats.host_hit_tokens,
         "backend": backend,
         "kv_cache_dtype": str(engine.kv_pool[0].dtype).removeprefix("torch."),
         "pool_bytes": sum(t.numel() * t.element_size() for t in engine.kv_pool),
         "graphs": engine.graphs is not None,
         "time_limited": stopped and len(done) < requests,
     }
-    row.update(summarize(done, duration, engine, steps))
-    after = engine.cache.stats
-    # In a pool that evicted nothing, the pages stored are the run's working set: every full page of
-    # KV it computed, once (a block computed twice concurrently is a duplicate, not stored twice).
-    row["stored_pages"] = after.stored_pages - before.stored_pages
-    row["evicted_pages"] = after.evicted_pages - before.evicted_pages
+    row.update(summarize(done, duration, engine, steps, before))
     if scraped is not None:
         row["server_metrics"] = scraped
     print(
