@@ -17,7 +17,8 @@ queuing the batch). The arms:
 ``--overlap N`` also times, per layout, a decode-step stand-in (``--layers`` matmuls of a 64-token
 batch by [4096, 12288] bf16 weights, 3 GiB read per step, memory-bound as a decode step is) alone,
 beside the mover's saves of N pages on its side stream (a new one whenever the host finds the last
-one done), and beside one pinned ``copy_`` of the same bytes issued the same way: what the model's
+one done, the host at most two steps ahead), and beside one pinned ``copy_`` of the same bytes issued
+the same way: what the model's
 step loses to background saves at the average rate they moved, and how much of that the copy
 engine alone costs.
 

@@ -365,7 +365,8 @@ def warm_up(
     args: argparse.Namespace,
 ) -> None:
     """Replay the last ``--warm-up`` conversations (not among those measured when the dataset has more)
-    so that kernels compile for the shapes the run will see, then forget the cache and the counters.
+    so that kernels compile for the shapes the run will see, then forget the cache and the engine's
+    counters (the cache's own keep counting over ``reset``: ``summarize`` reads their movement).
     They run at once, without think time: batches of up to ``--warm-up`` decodes, so that the CUDA
     graph buckets of the run's batch sizes compile here rather than inside the first configuration's
     measured run (benchmarks/NOTES.md, "A first serving arm on a cold Triton cache")."""

@@ -3,8 +3,8 @@
 Where every layer's part of a page sits at a regular step in the KV pool (an engine that allocates
 its pool as one ``[num_layers, ...]`` tensor), one page of one tensor is ``rows`` runs of ``width``
 contiguous bytes ``src_pitch`` apart, and its place in a host page is the same runs ``dst_pitch``
-apart. One ``cudaMemcpy2DAsync`` then moves it on the copy engine: no kernel runs on the SMs, so a
-save in the background costs the model's step what a plain pinned copy costs, and nothing is staged.
+apart. One ``cudaMemcpy2DAsync`` then moves it on the copy engine: no kernel runs on the SMs beside
+the model's, and nothing is staged. The price is host time: one call per page and tensor.
 On CPU tensors the same copies run as ``memmove`` per run, so the address arithmetic is the one the
 tests check.
 
