@@ -241,6 +241,58 @@ def test_level_attention_reads_fp8(q_dtype, causal, kv_chunk_size) -> None:
     _check_level(q, pool, deq, q_lens, kv_lens, page_size, causal, kv_chunk_size, atol)
 
 
+@pytest.mark.parametrize(
+    ("q_exponent", "subnormal"),
+    [(0, True), (-100, False), (100, False), (110, False), (-120, False)],
+    ids=["subnormal-kv", "q-2^-100", "q-2^100", "q-2^110", "q-2^-120"],
+)
+def test_fp8_attention_holds_at_extreme_magnitudes(q_exponent: int, subnormal: bool) -> None:
+    """Beside a bf16 q the kernel reads fp8 K/V as their value times 2**-120 and scales q by a power
+    of two chosen from its largest value (``_query_shift``). Queries of magnitude 2**-120 (beside K
+    scales that keep their scores of order one) to 2**110, and K/V made only of e4m3 subnormals
+    (scaled to matter), still give the float64 attention over the dequantized cache. Runs under the
+    interpreter here (which reads bf16 subnormals inexactly, so q has none) and through the
+    kernel's bit moves on a GPU."""
+    from prefix_cache.kernels import level_attention
+
+    generator = torch.Generator().manual_seed(11)
+    hq, hkv, d, page_size, num_pages = 4, 2, 32, 4, 16
+    # Small queries meet large K scales, so their scores still matter (2**-120 x 2**116).
+    k_scale, v_scale = (K_SCALE, V_SCALE) if q_exponent >= 0 else (2.0 ** min(-q_exponent - 4, 126), V_SCALE)
+    if subnormal:  # every byte an e4m3 subnormal (magnitude 1-7, either sign)
+        bits = torch.randint(1, 8, (num_pages, 2, page_size, hkv, d), generator=generator)
+        bits |= torch.randint(0, 2, bits.shape, generator=generator) << 7
+        pool = bits.to(torch.uint8).view(FP8_KV_DTYPE)
+        k_scale = v_scale = 2.0**10  # stored values of 2**-9 .. 7 * 2**-9 read as 2 .. 14
+    else:
+        pool = (torch.randn(num_pages, 2, page_size, hkv, d, generator=generator) * 8).to(FP8_KV_DTYPE)
+    deq = pool.double()
+    deq[:, 0] *= k_scale
+    deq[:, 1] *= v_scale
+    q_lens, kv_lens = [1, 3], [17, 30]
+    base = torch.randn(sum(q_lens), hq, d, generator=generator).double()
+    q = (base.sign() * (1 + base.abs()) * 2.0**q_exponent).to(torch.bfloat16)  # |q| >= 2**q_exponent
+    assert q.isfinite().all() and (q.abs() >= 2.0**-126).all()
+    counts = [-(-n // page_size) for n in kv_lens]
+    pages = torch.randperm(num_pages, generator=generator)[: sum(counts)].numpy()
+    kv_indptr = np.concatenate([[0], np.cumsum(counts)])
+    qo_indptr = np.concatenate([[0], np.cumsum(q_lens)])
+    last = np.array([n - (c - 1) * page_size for n, c in zip(kv_lens, counts, strict=True)])
+    out, lse = level_attention(
+        q.to(DEVICE), pool.to(DEVICE), qo_indptr, kv_indptr, pages, last, causal=True,
+        k_scale=k_scale, v_scale=v_scale,
+    )  # fmt: skip
+    groups = [
+        (list(range(qo_indptr[g], qo_indptr[g + 1])), pages[kv_indptr[g] : kv_indptr[g + 1]], kv_lens[g])
+        for g in range(len(q_lens))
+    ]
+    ref_out, ref_lse = _ref_level(q, deq, groups, True, d**-0.5)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    atol = (2e-5 if not HAS_CUDA else 1.6e-2) * ref_out.abs().max().item()
+    torch.testing.assert_close(out.cpu().double(), ref_out, atol=atol, rtol=0)
+    torch.testing.assert_close(lse.cpu().double(), ref_lse, atol=1e-4, rtol=1e-5)
+
+
 def _cascade_batch(generator, page_size=4):
     """Four requests under one shared system prefix, two sharing more: prefill chunks and decodes."""
     prefix = list(range(6))
