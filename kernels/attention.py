@@ -70,67 +70,10 @@ def _e4m3_to_f16(x):
     )
 
 
-# Four e4m3 bytes of a 32-bit register to four bf16 values in two: each byte's sign to bit 15 of its
-# half, its exponent and mantissa bits (7) to bits 4-10, so the half reads as the e4m3 value times
-# 2**-120 (bf16's exponent bias is 120 more than e4m3's; e4m3 subnormals land on bf16 subnormals).
-_E4M3_TO_BF16_ASM = tl.constexpr("""{
-.reg .b32 a, b, t;
-prmt.b32 a, $2, 0, 0x1404;
-prmt.b32 b, $2, 0, 0x3424;
-shr.b32 t, a, 4;
-and.b32 t, t, 0x07f007f0;
-and.b32 a, a, 0x80008000;
-or.b32 $0, a, t;
-shr.b32 t, b, 4;
-and.b32 t, t, 0x07f007f0;
-and.b32 b, b, 0x80008000;
-or.b32 $1, b, t;
-}""")
-
-
-@triton.jit
-def _e4m3_shifted(x, dtype: tl.constexpr):
-    """fp8 (e4m3) to ``dtype`` (bf16 or fp32) as x * 2**-120, exact, by moving bits: no conversion
-    instruction. Beside a bf16 q the fp8 -> f16 -> bf16 conversions kept the conversion units busy
-    on every value read, which bounded memory-bound fp8 decode (benchmarks/NOTES.md, "fp8 tiles
-    by bit moves"); integer instructions issue four times as fast. The 2**-120 is folded into the
-    query's power of two (``_query_shift``) and P's (``_kv_tile``). An e4m3 NaN byte (0x7f, 0xff)
-    reads as 480 times 2**-120: quantized KV holds no NaN unless the model wrote one.
-    For bf16 the bytes move as inline assembly with side effects, which stays where it is written
-    (before shared memory; see ``_e4m3_to_f16``); for fp32 (the interpreter) as Triton code."""
-    if dtype == tl.bfloat16:
-        return tl.inline_asm_elementwise(
-            _E4M3_TO_BF16_ASM, "=r,=r,r", [x], dtype=tl.bfloat16, is_pure=False, pack=4
-        )
-    else:
-        u = x.to(tl.uint8, bitcast=True).to(tl.uint32)
-        return (((u & 0x80) << 24) | ((u & 0x7F) << 20)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _pow2(n):
-    """2**n in fp32, exact, for an integer n in [-126, 127]."""
-    return ((n + 127) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _query_shift(q):
-    """For K read as its value times 2**-120 (``_e4m3_shifted``): q times a power of two that puts
-    its largest |value| near 2**100, and the factor 2**(120 - that power) that gives the dot its
-    true scale back. Both are exact; without the shift, products of small q and K values would
-    fall below fp32's normal range inside the dot. The power lies in [-7, 127], so both factors
-    are normal fp32 numbers and q times it stays finite."""
-    qf = q.to(tl.float32)
-    largest = tl.max(tl.max(tl.abs(qf), 1), 0)
-    shift = 100 - (((largest.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127)
-    shift = tl.minimum(tl.maximum(shift, -7), 127)
-    return (qf * _pow2(shift)).to(q.dtype), _pow2(120 - shift)
-
-
 @triton.jit
 def _kv_tile(
     acc, m_i, l_i, q, start, kv_hi, tok, diag, kv_indices_ptr, page0, k_head, v_head,
-    stride_k_page, stride_k_slot, stride_v_page, stride_v_slot, qk_scale, k_factor,
+    stride_k_page, stride_k_slot, stride_v_page, stride_v_slot, qk_scale,
     PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     MASK: tl.constexpr,  # False: every KV position of the tile is < kv_hi and visible to every row
@@ -167,22 +110,14 @@ def _kv_tile(
         k = tl.load(k_ptrs)
         v = tl.load(v_ptrs)
     # fp8 K/V are dequantized in registers to q's dtype (fp32 when upcast); their scales are folded
-    # into qk_scale and the output's scale. Beside a bf16 or fp32 q they are read times 2**-120,
-    # the factor undone by k_factor (q's power of two, ``_query_shift``) and by P's 2**120 below.
-    # A no-op for K/V of q's dtype.
-    if k.dtype == tl.float8e4nv and q.dtype != tl.float16:
-        k = _e4m3_shifted(k, q.dtype)
-        v = _e4m3_shifted(v, q.dtype)
-    elif k.dtype == tl.float8e4nv and not UPCAST:
+    # into qk_scale and the output's scale. A no-op for K/V of q's dtype.
+    if not UPCAST and k.dtype == tl.float8e4nv:
         k = _e4m3_to_f16(k)
         v = _e4m3_to_f16(v)
     k = k.to(q.dtype)
     v = v.to(q.dtype)
 
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-    if k_ptrs.dtype.element_ty == tl.float8e4nv and q.dtype != tl.float16:
-        s = s * k_factor
-    s = s * qk_scale
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     if MASK:
         # Non-causal items carry a diagonal beyond every KV position (work.NO_MASK).
         valid = n_ok[None, :] & (offs_n[None, :] <= (tok + diag)[:, None])
@@ -193,8 +128,6 @@ def _kv_tile(
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    if k_ptrs.dtype.element_ty == tl.float8e4nv and q.dtype != tl.float16:
-        p = p * 1.329227995784916e36  # 2**120, against V's 2**-120 (exact: p <= 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
@@ -279,9 +212,6 @@ def _attention_kernel(
         )
         if UPCAST:
             q = q.to(tl.float32)
-        k_factor = 1.0
-        if k_ptr.dtype.element_ty == tl.float8e4nv and q.dtype != tl.float16:
-            q, k_factor = _query_shift(q)
         # The tile's last token (q1 - 1) sees the most KV; nothing past its diagonal is loaded.
         kv_hi = tl.minimum(kv1, q1 + diag)
 
@@ -302,13 +232,13 @@ def _attention_kernel(
         for start in range(kv0, full_hi, BLOCK_N):
             acc, m_i, l_i = _kv_tile(
                 acc, m_i, l_i, q, start, kv_hi, tok, diag, kv_indices_ptr, page0, k_head, v_head,
-                stride_k_page, stride_k_slot, stride_v_page, stride_v_slot, qk_scale, k_factor,
+                stride_k_page, stride_k_slot, stride_v_page, stride_v_slot, qk_scale,
                 PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, UPCAST, DOT_PRECISION, False, WIDE_OFFSETS,
             )  # fmt: skip
         for start in range(full_hi, kv_hi, BLOCK_N):
             acc, m_i, l_i = _kv_tile(
                 acc, m_i, l_i, q, start, kv_hi, tok, diag, kv_indices_ptr, page0, k_head, v_head,
-                stride_k_page, stride_k_slot, stride_v_page, stride_v_slot, qk_scale, k_factor,
+                stride_k_page, stride_k_slot, stride_v_page, stride_v_slot, qk_scale,
                 PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, UPCAST, DOT_PRECISION, True, WIDE_OFFSETS,
             )  # fmt: skip
 

@@ -247,12 +247,12 @@ def test_level_attention_reads_fp8(q_dtype, causal, kv_chunk_size) -> None:
     ids=["subnormal-kv", "q-2^-100", "q-2^100", "q-2^110", "q-2^-120"],
 )
 def test_fp8_attention_holds_at_extreme_magnitudes(q_exponent: int, subnormal: bool) -> None:
-    """Beside a bf16 q the kernel reads fp8 K/V as their value times 2**-120 and scales q by a power
-    of two chosen from its largest value (``_query_shift``). Queries of magnitude 2**-120 (beside K
-    scales that keep their scores of order one) to 2**110, and K/V made only of e4m3 subnormals
-    (scaled to matter), still give the float64 attention over the dequantized cache. Runs under the
-    interpreter here (which reads bf16 subnormals inexactly, so q has none) and through the
-    kernel's bit moves on a GPU."""
+    """Queries of magnitude 2**-120 (beside K scales that keep their scores of order one) to 2**110,
+    and K/V made only of e4m3 subnormals (scaled to matter), give the float64 attention over the
+    dequantized cache: the conversion of every e4m3 value is exact and the dots neither overflow nor
+    lose small products (a conversion by bit moves that read K/V times 2**-120 needed a power of
+    two on q for this: benchmarks/NOTES.md, "fp8 tiles by bit moves"). Runs under the interpreter
+    here (which reads bf16 subnormals inexactly, so q has none) and at these sizes on a GPU."""
     from prefix_cache.kernels import level_attention
 
     generator = torch.Generator().manual_seed(11)

@@ -96,8 +96,7 @@ for kv in ("*fp8e4nv", "*bf16"):
     source = ASTSource(_attention_kernel, signature, constants, attrs=attrs)
     options = dict(num_warps=4, num_stages=2)
     ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
-    ops = ("ld.shared.b8", "ldmatrix", "mma.sync", r"cvt\.[\w.]*e4m3|cvt\.f32\.f16\b", "prmt.b32")
-    found[kv] = {op: len(re.findall(op, ptx)) for op in ops}
+    found[kv] = {op: len(re.findall(op, ptx)) for op in ("ld.shared.b8", "ldmatrix", "mma.sync")}
 print(json.dumps(found))
 """
 
@@ -115,18 +114,3 @@ def test_fp8_tiles_reach_the_tensor_cores_as_bf16_ones_do() -> None:
     assert found["*fp8e4nv"]["ld.shared.b8"] == 0
     assert found["*fp8e4nv"]["ldmatrix"] == found["*bf16"]["ldmatrix"] > 0
     assert found["*fp8e4nv"]["mma.sync"] == found["*bf16"]["mma.sync"] > 0
-
-
-def test_fp8_tiles_meet_a_bf16_query_without_conversion_instructions() -> None:
-    """Beside a bf16 q the fp8 values are moved into bf16 bit patterns by integer instructions
-    (``_e4m3_shifted``), never through the conversion units, whose two conversions a value
-    (e4m3 -> f16 -> bf16) bounded memory-bound fp8 decode (benchmarks/NOTES.md, "fp8 tiles by bit
-    moves")."""
-    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    done = subprocess.run(
-        [sys.executable, "-c", _COMPILE_FP8], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    fp8 = json.loads(done.stdout)["*fp8e4nv"]
-    assert fp8[r"cvt\.[\w.]*e4m3|cvt\.f32\.f16\b"] == 0  # e4m3 -> f16, f16 -> f32
-    assert fp8["prmt.b32"] > 0
