@@ -412,6 +412,28 @@ def test_a_host_tier_recovers_hits_between_the_gpu_pool_and_unlimited_pages():
     _check_no_leak(cache)
 
 
+@pytest.mark.parametrize("clients", [6, 12])
+def test_a_head_short_of_pages_for_its_loads_is_not_opened_and_closed_at_every_step(clients):
+    # Opening a prompt found on the host takes GPU pages for its loads (evicting for them); a head
+    # that then has to let go, opened again as soon as anything closes, redoes that at every step.
+    conversations = synthetic_conversations(ONE_SAMPLE)
+    config = SchedulerConfig(num_pages=40, max_running=16, clients=clients, host_pages=160)
+
+    class Counting(PrefixCache):
+        opens = 0
+
+        def open(self, *args, **kwargs):
+            self.opens += 1
+            return super().open(*args, **kwargs)
+
+    cache = Counting(40, 16, record_events=False, host_pages=160)
+    _, res = replay(conversations, config, cache=cache)
+    assert res.requests == 80 and res.skipped_requests == res.cut_replies == 0
+    assert res.host_cached_tokens > 0
+    assert cache.opens <= res.requests * 1.05
+    _check_no_leak(cache)
+
+
 def test_cli_prints_one_row_per_host_pool(capsys):
     argv = [*TINY, "--conversations", "20", "--gpu-pool", "0.25", "--think-time", "1", "--host-pool"]
     assert main([*argv, "0,2,unlimited"]) == 0

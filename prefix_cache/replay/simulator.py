@@ -14,14 +14,17 @@ Model of the engine:
 - No preemption, so admission reserves the pages a request's whole reply will need: the head waits
   (its prefix stays locked by its ``open``) until free plus evictable pages cover the pages every
   running request may still allocate plus its own prompt and reply. Should its ``open`` lock
-  evictable pages the running requests count on, it closes again and reopens after the next
-  request finishes. A head that cannot fit even with nothing running is skipped and its
-  conversation ends there; nothing can deadlock.
+  evictable pages the running requests count on, it closes again and reopens once the pages it
+  took and those it still needs are spare. A head that cannot fit even with nothing running is
+  skipped and its conversation ends there; nothing can deadlock.
 - With a host tier (``host_pages > 0``), GPU eviction moves cached pages to host pages and ``open``
   also finds a prefix there: it gives the sequence GPU pages for that part and queues their loads.
   Each step ends with one ``take_transfers`` whose copies are done at once (``transfers_done``):
   data movement is not simulated, only the bookkeeping. A request whose prefix is loading holds its
   pages and a running slot from admission, and prefills at the next step, once the loads are done.
+  Since opening takes pages for the loads (and evicts for them), a head with fewer spare pages
+  than its prompt and reply need is first looked up with ``match`` (once; the time counts as
+  ``open``'s) and opened only if its prefix on the GPU can make up the difference.
 - Alongside, :class:`UnlimitedPrefixIndex` sees the same opens and commits and gives the hits of a
   cache with unlimited pages: the best possible hit rate for this request order.
 
@@ -172,6 +175,7 @@ class _Request:
     __slots__ = (
         "best_hit",
         "client",
+        "gpu_hit",
         "host_hit",
         "last_page",
         "pos",
@@ -197,6 +201,8 @@ class _Request:
         self.last_page = ROOT
         # Prompt tokens its ``open`` found on the host tier, to be loaded.
         self.host_hit = 0
+        # Its prompt's prefix on the GPU when the scheduler first had to look (-1: not yet).
+        self.gpu_hit = -1
 
 
 class _Client:
@@ -242,8 +248,10 @@ class Replay:
         # With a host tier: admitted requests whose prefix loads during this step.
         self._tiered = config.host_pages > 0
         self._loading: list[_Request] = []
-        # ``result.closed`` when the head of the queue last closed its sequence unadmitted.
-        self._let_go_at = -1
+        # Pages the head of the queue took from the free and evictable ones when it last opened
+        # and had to let go, and those it needed beyond (0: none): it opens again once as many are
+        # spare.
+        self._let_go_need = 0
         self._on_request_done = on_request_done or (lambda n: None)
         # Steps elapsed on the simulated clock, idle ones included, and the users thinking.
         self._clock = 0
@@ -357,23 +365,42 @@ class Replay:
         while self._queue and len(self._running) + len(self._loading) < self.config.max_running:
             req = self._queue[0]
             if req.seq is None:
-                if res.closed == self._let_go_at:
-                    return  # nothing was freed since the head last had to let go
+                spare = cache.num_free_pages + cache.num_evictable_pages - self._reserved_pages()
+                if spare < self._let_go_need:
+                    return  # the head's last open took more pages than are spare now
+                need = self._pages(len(req.tokens))
+                if self._tiered and spare < need:
+                    # Opening takes pages for the loads of its prefix on the host, and evicts for
+                    # them: it fits only if its prefix on the GPU (which running requests may hold,
+                    # so that it takes no spare page) makes up the difference, so look once before
+                    # opening, and wait while even that would not do. (Without a host tier an
+                    # open takes no page but its prefix's, and is its own look.)
+                    if req.gpu_hit < 0:
+                        t0 = time.perf_counter_ns()
+                        req.gpu_hit = cache.match(req.prompt)
+                        res.open_ns += time.perf_counter_ns() - t0
+                    if spare < need - req.gpu_hit // self.ps:
+                        return
                 t0 = time.perf_counter_ns()
                 req.seq = cache.open(req.prompt)
                 res.open_ns += time.perf_counter_ns() - t0
                 if self._tiered:
                     req.host_hit = req.seq.num_loading_tokens
                 req.best_hit, req.last_page = self.oracle.match(req.prompt)
-                if cache.num_free_pages + cache.num_evictable_pages < self._reserved_pages():
-                    # Its prefix locked evictable pages that running requests count on: let go
-                    # until a request closes.
+                left = cache.num_free_pages + cache.num_evictable_pages - self._reserved_pages()
+                if left < 0:
+                    # Its prefix locked evictable pages (and, with a host tier, took pages for its
+                    # loads) that running requests count on: let go until the pages it took and
+                    # those it still needs are spare, so it is not opened and closed again at every
+                    # step.
+                    remaining = self._pages(len(req.tokens)) - req.seq.num_cached_tokens // self.ps
                     t0 = time.perf_counter_ns()
                     cache.close(req.seq)
                     res.open_ns += time.perf_counter_ns() - t0
                     req.seq = None
-                    self._let_go_at = res.closed
+                    self._let_go_need = spare - left + remaining
                     return
+                self._let_go_need = 0
             cached = req.seq.num_cached_tokens
             needed = self._pages(len(req.tokens)) - cached // self.ps + self._reserved_pages()
             # A prefix still loading (the head may have waited while its loads were made) is
