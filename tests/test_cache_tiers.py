@@ -301,6 +301,27 @@ def evicted_to_host(host_pages: int = 16) -> tuple[PrefixCache, list[list[int]]]
     return cache, chats
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize(("run_tokens", "moved_pages"), [(1024, None), (1024 + 16, 1)])
+def test_a_run_of_up_to_1024_tokens_moves_to_the_host_whole(page_size, run_tokens, moved_pages) -> None:
+    # The pool needs one page of an unreferenced run: one of up to 1024 tokens moves whole (a cut
+    # costs more than moving the rest, which is as old), a longer one is cut. In tokens, so that a
+    # page per token does not cut runs at every decode step's eviction.
+    run_pages = run_tokens // page_size
+    cache = PrefixCache(run_pages + 4, page_size, host_pages=2 * run_pages)
+    prompt = list(range(1, run_tokens + 1))
+    seq = cache.admit(prompt)
+    cache.commit(seq, prompt)
+    cache.close(seq)
+    assert cache.match([*prompt, 0]) == run_tokens and cache.num_free_pages == 4
+    seq = cache.admit([0] * (5 * page_size))  # one page more than the free ones
+    moved = cache.take_transfers().saves
+    assert len(moved) == (run_pages if moved_pages is None else moved_pages)
+    assert cache.match([*prompt, 0]) == run_tokens - len(moved) * page_size
+    cache.close(seq)
+    cache.check_invariants()
+
+
 @pytest.mark.parametrize("value", [-1, 2**31, 1.5, True, "8"])
 def test_host_pages_out_of_range_is_refused(value) -> None:
     with pytest.raises((TypeError, ValueError), match="host_pages"):

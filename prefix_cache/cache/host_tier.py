@@ -50,9 +50,10 @@ if TYPE_CHECKING:
 _NO_PAIRS = np.empty((0, 2), dtype=np.int32)
 # Stale host LRU entries tolerated beyond twice the host-only runs.
 _HEAP_SLACK = 1024
-#: Runs up to this many pages move to the host whole when the pool needs part of one: a cut costs
-#: more than moving the rest of a short run, which is as old.
-SPLIT_PAGES = 64
+#: Runs up to this many tokens move to the host whole when the pool needs part of one: a cut costs
+#: more than moving the rest of a short run, which is as old. In tokens, not pages, so that small
+#: pages (whose runs are many pages long) are not cut at every decode step's eviction.
+SPLIT_TOKENS = 1024
 
 
 class HostTier(HostLoads, WriteThrough):
@@ -163,7 +164,7 @@ class HostTier(HostLoads, WriteThrough):
 
     def evict_gpu(self, count: int, exact: bool) -> int:
         """Free ``count`` GPU pages (fewer when there are not as many evictable; with ``exact``
-        False, more where that moves a whole run of at most ``SPLIT_PAGES`` pages rather than
+        False, more where that moves a whole run of at most ``SPLIT_TOKENS`` tokens rather than
         cutting it): the least recently released runs with no child on the GPU move to the host
         (a run's end first, as ``BlockTree.evict`` takes it), or leave the tree when the host
         cannot take them. Returns the GPU pages freed."""
@@ -180,6 +181,7 @@ class HostTier(HostLoads, WriteThrough):
         # Host pages taken here: their ``ready`` and ``writer`` are reset once, at the end (nothing
         # reads them in between, and a page taken twice here gets the same values).
         taken = array("i")
+        split_pages = max(1, SPLIT_TOKENS // tree.page_size)
         freed = 0
         while freed < count:
             if known is not None:
@@ -193,7 +195,7 @@ class HostTier(HostLoads, WriteThrough):
                 listed = True
             size = len(node.pages)
             want = count - freed
-            if want < size and (exact or size > SPLIT_PAGES):
+            if want < size and (exact or size > split_pages):
                 # The run's end goes: the head stays on the GPU, with the node's age.
                 tree.split(node, size - want).tick = node.tick
                 size = want
