@@ -6,6 +6,7 @@ import io
 import json
 import math
 import re
+import signal
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -146,6 +147,36 @@ def test_requests_larger_than_the_pool_are_skipped_without_deadlock():
     assert sum(done) == sum(len(t.replies) for c in conversations for t in c.turns)
     assert res.conversations == SMALL.conversations
     assert res.cut_replies == 0
+    _check_no_leak(cache)
+
+
+@pytest.mark.parametrize("host_pages", [0, 48])
+def test_a_prompt_larger_than_the_pool_is_skipped_while_nothing_else_runs(host_pages):
+    # The only request left cannot fit in 12 pages: nothing running will free more, so it must be
+    # given up, not waited for (with a host tier too, where the scheduler looks before it opens).
+    rng = np.random.default_rng(0)
+
+    def tokens(n: int) -> np.ndarray:
+        return rng.integers(1, 1000, n, dtype=np.int32)
+
+    conversations = [
+        Conversation(tokens(20), (Turn(tokens(400), (tokens(10),)), Turn(tokens(20), (tokens(10),)))),
+        Conversation(tokens(20), (Turn(tokens(30), (tokens(10),)),)),
+    ]
+    config = SchedulerConfig(num_pages=12, max_running=4, clients=2, host_pages=host_pages)
+    cache = PrefixCache(12, 16, record_events=False, host_pages=host_pages)
+
+    def stuck(*_):
+        raise AssertionError("the replay waits for pages nothing will free")
+
+    previous = signal.signal(signal.SIGALRM, stuck)
+    signal.alarm(30)
+    try:
+        res = Replay(cache, conversations, config).run()
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert res.requests == 1 and res.skipped_requests == 1 and res.conversations_cut == 1
     _check_no_leak(cache)
 
 

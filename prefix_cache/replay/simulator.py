@@ -366,10 +366,13 @@ class Replay:
             req = self._queue[0]
             if req.seq is None:
                 spare = cache.num_free_pages + cache.num_evictable_pages - self._reserved_pages()
-                if spare < self._let_go_need:
+                # With nothing running nothing will be freed: the head opens (and is skipped below
+                # if it cannot fit even so).
+                busy = self._running or self._loading
+                if busy and spare < self._let_go_need:
                     return  # the head's last open took more pages than are spare now
                 need = self._pages(len(req.tokens))
-                if self._tiered and spare < need:
+                if busy and self._tiered and spare < need:
                     # Opening takes pages for the loads of its prefix on the host, and evicts for
                     # them: it fits only if its prefix on the GPU (which running requests may hold,
                     # so that it takes no spare page) makes up the difference, so look once before
