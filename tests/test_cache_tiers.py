@@ -322,6 +322,23 @@ def test_a_run_of_up_to_1024_tokens_moves_to_the_host_whole(page_size, run_token
     cache.check_invariants()
 
 
+def test_a_short_run_the_host_cannot_take_whole_is_cut_not_dropped() -> None:
+    # 500 one-token pages, a host tier of 100: moving the run whole would drop it from both tiers;
+    # the page the pool needs is cut off and moved instead.
+    prompt = list(range(1, 501))
+    cache = PrefixCache(504, 1, host_pages=100)
+    seq = cache.admit(prompt)
+    cache.commit(seq, prompt)
+    cache.close(seq)
+    seq = cache.admit([0] * 5)  # one page more than the free ones
+    batch = cache.take_transfers()
+    assert len(batch.saves) == 1 and cache.match([*prompt, 0]) == 499
+    cache.transfers_done(batch)
+    cache.close(seq)
+    assert cache.match_tiers([*prompt, 0]) == (499, 1)
+    cache.check_invariants()
+
+
 @pytest.mark.parametrize("value", [-1, 2**31, 1.5, True, "8"])
 def test_host_pages_out_of_range_is_refused(value) -> None:
     with pytest.raises((TypeError, ValueError), match="host_pages"):

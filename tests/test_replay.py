@@ -443,6 +443,44 @@ def test_a_host_tier_recovers_hits_between_the_gpu_pool_and_unlimited_pages():
     _check_no_leak(cache)
 
 
+def test_the_look_before_opening_is_kept_only_until_a_prefill_and_changes_no_outcome():
+    # A head's look (its prefix on the GPU) is reused while it waits, until a prefill may have
+    # cached more of its prompt (a sibling sample's): the replay must then go exactly as one that
+    # looks afresh at every wait.
+    conversations = synthetic_conversations(
+        SyntheticConfig(
+            conversations=60,
+            system_prompt_tokens=256,
+            max_turns=4,
+            user_tokens=(16, 128),
+            reply_tokens=(16, 128),
+            samples=4,
+        )
+    )
+    config = SchedulerConfig(num_pages=120, max_running=16, clients=12, host_pages=480)
+
+    class Looking(PrefixCache):
+        looks = 0
+
+        def match(self, *args, **kwargs):
+            self.looks += 1
+            return super().match(*args, **kwargs)
+
+    class LookingAfresh(Replay):
+        def _admit(self):
+            self._prefills += 1  # every look is stale
+            super()._admit()
+
+    runs = []
+    for cls in (Replay, LookingAfresh):
+        cache = Looking(120, 16, record_events=False, host_pages=480)
+        res = cls(cache, conversations, config).run()
+        runs.append((cache.looks, (res.steps, res.requests, res.cached_tokens, res.host_cached_tokens)))
+        _check_no_leak(cache)
+    (kept, outcome), (afresh, reference) = runs
+    assert outcome == reference and 0 < kept < afresh
+
+
 @pytest.mark.parametrize("clients", [6, 12])
 def test_a_head_short_of_pages_for_its_loads_is_not_opened_and_closed_at_every_step(clients):
     # Opening a prompt found on the host takes GPU pages for its loads (evicting for them); a head

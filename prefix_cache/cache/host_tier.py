@@ -164,10 +164,10 @@ class HostTier(HostLoads, WriteThrough):
 
     def evict_gpu(self, count: int, exact: bool) -> int:
         """Free ``count`` GPU pages (fewer when there are not as many evictable; with ``exact``
-        False, more where that moves a whole run of at most ``SPLIT_TOKENS`` tokens rather than
-        cutting it): the least recently released runs with no child on the GPU move to the host
-        (a run's end first, as ``BlockTree.evict`` takes it), or leave the tree when the host
-        cannot take them. Returns the GPU pages freed."""
+        False, more where that moves a whole run of at most ``SPLIT_TOKENS`` tokens, which the
+        host can take, rather than cutting it): the least recently released runs with no child on
+        the GPU move to the host (a run's end first, as ``BlockTree.evict`` takes it), or leave
+        the tree when the host cannot take them. Returns the GPU pages freed."""
         tree = self.tree
         free = self.gpu_pool.free
         host_free = self.pool.free
@@ -195,8 +195,13 @@ class HostTier(HostLoads, WriteThrough):
                 listed = True
             size = len(node.pages)
             want = count - freed
-            if want < size and (exact or size > split_pages):
-                # The run's end goes: the head stays on the GPU, with the node's age.
+            if want < size and (
+                exact
+                or size > split_pages
+                or (node.host is None and len(host_free) < size and not self.make_room(size, node.tick))
+            ):
+                # The run's end goes: the head stays on the GPU, with the node's age. (Also for a
+                # short run the host cannot take whole: the end it needs may still fit.)
                 tree.split(node, size - want).tick = node.tick
                 size = want
             if listed:

@@ -178,6 +178,7 @@ class _Request:
         "gpu_hit",
         "host_hit",
         "last_page",
+        "looked_at",
         "pos",
         "prompt",
         "reply",
@@ -201,8 +202,10 @@ class _Request:
         self.last_page = ROOT
         # Prompt tokens its ``open`` found on the host tier, to be loaded.
         self.host_hit = 0
-        # Its prompt's prefix on the GPU when the scheduler first had to look (-1: not yet).
+        # Its prompt's prefix on the GPU when the scheduler last had to look (-1: not yet), and
+        # the replay's prefills by then (a prefill since may have cached more of it).
         self.gpu_hit = -1
+        self.looked_at = 0
 
 
 class _Client:
@@ -252,6 +255,8 @@ class Replay:
         # and had to let go, and those it needed beyond (0: none): it opens again once as many are
         # spare.
         self._let_go_need = 0
+        # Prompts prefilled so far (see ``_Request.looked_at``).
+        self._prefills = 0
         self._on_request_done = on_request_done or (lambda n: None)
         # Steps elapsed on the simulated clock, idle ones included, and the users thinking.
         self._clock = 0
@@ -375,13 +380,15 @@ class Replay:
                 if busy and self._tiered and spare < need:
                     # Opening takes pages for the loads of its prefix on the host, and evicts for
                     # them: it fits only if its prefix on the GPU (which running requests may hold,
-                    # so that it takes no spare page) makes up the difference, so look once before
-                    # opening, and wait while even that would not do. (Without a host tier an
-                    # open takes no page but its prefix's, and is its own look.)
-                    if req.gpu_hit < 0:
+                    # so that it takes no spare page) makes up the difference, so look before
+                    # opening (again only after a prefill, which may have cached more of the
+                    # prompt: a sibling sample's), and wait while even that would not do. (Without
+                    # a host tier an open takes no page but its prefix's, and is its own look.)
+                    if req.gpu_hit < 0 or req.looked_at != self._prefills:
                         t0 = time.perf_counter_ns()
                         req.gpu_hit = cache.match(req.prompt)
                         res.open_ns += time.perf_counter_ns() - t0
+                        req.looked_at = self._prefills
                     if spare < need - req.gpu_hit // self.ps:
                         return
                 t0 = time.perf_counter_ns()
@@ -437,6 +444,7 @@ class Replay:
         try:
             cache.allocate(req.seq, len(req.prompt) - cached)
             cache.commit(req.seq, req.prompt[cached:])
+            self._prefills += 1
             done = True
         except OutOfPages:
             done = False
