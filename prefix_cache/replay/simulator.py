@@ -23,8 +23,9 @@ Model of the engine:
   data movement is not simulated, only the bookkeeping. A request whose prefix is loading holds its
   pages and a running slot from admission, and prefills at the next step, once the loads are done.
   Since opening takes pages for the loads (and evicts for them), a head with fewer spare pages
-  than its prompt and reply need is first looked up with ``match`` (once; the time counts as
-  ``open``'s) and opened only if its prefix on the GPU can make up the difference.
+  than its prompt and reply need is first looked up with ``match`` (and again after a prefill,
+  which may have cached more of its prompt; the time counts as ``open``'s) and opened only if its
+  prefix on the GPU can make up the difference.
 - Alongside, :class:`UnlimitedPrefixIndex` sees the same opens and commits and gives the hits of a
   cache with unlimited pages: the best possible hit rate for this request order.
 
